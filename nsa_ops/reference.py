@@ -1,0 +1,382 @@
+"""Pure-PyTorch reference of every part of ../shared/NSA-SPEC.md.
+
+Readable before fast, but vectorised: the only Python loops run over query *chunks* (to bound the
+[chunk, keys] score matrices) and never over tokens. Every kernel in `nsa_ops.kernels` is tested
+against these functions, and the CPU kernels of the ``torch.ops.nsa`` ops are these functions.
+
+Layouts follow flash-attn / fla: q [B,T,HQ,Dk], k [B,T,H,Dk], v [B,T,H,Dv]; query head h reads KV
+head h // G with G = HQ // H. Varlen packs N sequences into B == 1 with cu_seqlens int32 [N+1];
+compressed rows (k_cmp / v_cmp) are then packed per sequence in the same order, num_cmp(S_i) each,
+and block indices are local to their sequence.
+
+Nothing here reads tensor values back to the host except `compress` in varlen mode (it must size
+its output), so the functions can run on CUDA tensors inside CUDA graphs and torch.compile.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+# Query rows per chunk: bounds the [B, H, G, chunk, keys] fp32 score tensor on long sequences.
+DEFAULT_CHUNK = 256
+
+
+def num_cmp(seq_len, block_len: int, block_stride: int):
+    """Number of compressed blocks emitted for a sequence of ``seq_len`` tokens (int or tensor)."""
+    if isinstance(seq_len, Tensor):
+        return torch.where(seq_len < block_len, 0, torch.div(seq_len - block_len, block_stride,
+                                                              rounding_mode="floor") + 1)
+    return 0 if seq_len < block_len else (seq_len - block_len) // block_stride + 1
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (gradcheck); everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# Token and compressed-row layout (varlen without host syncs)
+# --------------------------------------------------------------------------------------------
+
+def token_layout(T: int, cu_seqlens: Optional[Tensor], device) -> tuple[Tensor, Tensor]:
+    """Per packed token: (sequence id, position inside its sequence), both int64 [T]."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return torch.zeros_like(t), t
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    seq = torch.searchsorted(cu, t, right=True) - 1
+    return seq, t - cu[seq]
+
+
+def cmp_layout(num_rows: int, cu_seqlens: Optional[Tensor], block_len: int, block_stride: int,
+               device) -> tuple[Tensor, Tensor]:
+    """Per compressed row: (sequence id, block index inside its sequence), both int64 [num_rows]."""
+    r = torch.arange(num_rows, device=device)
+    if cu_seqlens is None:
+        return torch.zeros_like(r), r
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    counts = num_cmp(cu[1:] - cu[:-1], block_len, block_stride)
+    cmp_cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    seq = torch.searchsorted(cmp_cu, r, right=True) - 1
+    # right=True skips sequences that emitted no rows (equal offsets) and lands on the owner
+    return seq, r - cmp_cu[seq]
+
+
+def total_cmp(cu_seqlens: Tensor, block_len: int, block_stride: int) -> int:
+    """Number of packed compressed rows for varlen input (reads cu_seqlens on the host)."""
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    return int(num_cmp(lens, block_len, block_stride).sum())
+
+
+# --------------------------------------------------------------------------------------------
+# Compression (phi)
+# --------------------------------------------------------------------------------------------
+
+def gather_blocks(x: Tensor, block_len: int, block_stride: int,
+                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """Blocks [i*d, i*d+l) of every sequence: x [B,T,H,D] -> [B, num_rows, H, l, D]."""
+    B, T, H, D = x.shape
+    if cu_seqlens is None:
+        # unfold puts the window last: [B, Nc, H, D, l]
+        return x.unfold(1, block_len, block_stride).transpose(-1, -2) if T >= block_len else \
+            x.new_empty(B, 0, H, block_len, D)
+    rows = total_cmp(cu_seqlens, block_len, block_stride)
+    seq, idx = cmp_layout(rows, cu_seqlens, block_len, block_stride, x.device)
+    start = cu_seqlens.to(device=x.device, dtype=torch.int64)[seq] + idx * block_stride
+    tok = start[:, None] + torch.arange(block_len, device=x.device)  # [rows, l]
+    return x[:, tok].transpose(2, 3)  # [B, rows, l, H, D] -> [B, rows, H, l, D]
+
+
+def compress_mean(x: Tensor, block_len: int, block_stride: int,
+                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """phi = mean pooling: [B,T,H,D] -> [B, num_rows, H, D]."""
+    return gather_blocks(x, block_len, block_stride, cu_seqlens).mean(dim=-2)
+
+
+def compress_mlp(x: Tensor, block_len: int, block_stride: int, pos_emb: Tensor, w1: Tensor,
+                 b1: Tensor, w2: Tensor, b2: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """phi = learnable MLP with intra-block position embedding, residual on mean pooling.
+
+    phi(x_blk) = mean(x_blk + pe) + W2 gelu(W1 flatten(x_blk + pe) + b1) + b2, with pe [l, D].
+    With pe = 0 and W2 = b2 = 0 (the initialisation) it equals mean pooling exactly, which is how
+    the spec's "initialised to equal mean pooling" is met without constraining the hidden layer.
+    """
+    blocks = gather_blocks(x, block_len, block_stride, cu_seqlens) + pos_emb  # [B,N,H,l,D]
+    hidden = torch.nn.functional.gelu(blocks.flatten(-2) @ w1.t() + b1)
+    return blocks.mean(dim=-2) + hidden @ w2.t() + b2
+
+
+# --------------------------------------------------------------------------------------------
+# Masked attention core: forward and backward, chunked over queries
+# --------------------------------------------------------------------------------------------
+
+MaskFn = Callable[[int, int], Tensor]
+"""mask_fn(t0, t1) -> bool mask [B or 1, H or 1, t1 - t0, S]: query rows t0..t1 may see key s."""
+
+
+def _group(q: Tensor, H: int) -> Tensor:
+    B, T, HQ, D = q.shape
+    return q.view(B, T, H, HQ // H, D)
+
+
+def _probs(qc: Tensor, k: Tensor, mask: Tensor, lse: Optional[Tensor], scale: float):
+    """Scores [B,H,G,tc,S] masked; returns (probs, lse [B,H,G,tc]). lse = -inf on empty rows."""
+    s = torch.einsum("bthgd,bshd->bhgts", qc, k) * scale
+    m = mask.unsqueeze(2)  # broadcast over the G heads of a group
+    s = s.masked_fill(~m, float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
+    finite = torch.isfinite(lse)
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    p = torch.where(m & finite.unsqueeze(-1), torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
+    return p, lse
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask_fn: MaskFn, scale: float,
+                     chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T * scale, masked) v. Returns o [B,T,HQ,Dv] in q's dtype and lse [B,T,HQ].
+
+    lse is float32 (float64 for float64 inputs, so gradcheck sees exact values). A query row that
+    sees no key returns o = 0 and lse = -inf (never NaN).
+    """
+    B, T, HQ, _ = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    cdt = compute_dtype(q.dtype)
+    k32, v32 = k.to(cdt), v.to(cdt)
+    outs, lses = [], []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        qc = _group(q[:, t0:t1].to(cdt), H)
+        p, lse = _probs(qc, k32, mask_fn(t0, t1), None, scale)
+        outs.append(torch.einsum("bhgts,bshd->bthgd", p, v32).reshape(B, t1 - t0, HQ, Dv))
+        lses.append(lse.permute(0, 3, 1, 2).reshape(B, t1 - t0, HQ))
+    o = torch.cat(outs, 1) if outs else q.new_zeros(B, 0, HQ, Dv, dtype=cdt)
+    lse = torch.cat(lses, 1) if lses else q.new_zeros(B, 0, HQ, dtype=cdt)
+    return o.to(q.dtype), lse
+
+
+def masked_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                              dlse: Optional[Tensor], mask_fn: MaskFn, scale: float,
+                              chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `masked_attention` w.r.t. q, k, v given dO and (optionally) dlse.
+
+    dS = P * (dO V^T - rowsum(dO * O) + dlse): the dlse term is d lse / d s = P, so a caller that
+    back-propagates through lse (select_blocks consumers, custom mixers) gets exact gradients.
+    """
+    B, T, HQ, Dk = q.shape
+    H = k.shape[2]
+    cdt = compute_dtype(q.dtype)
+    k32, v32 = k.to(cdt), v.to(cdt)
+    dk = torch.zeros_like(k32)
+    dv = torch.zeros_like(v32)
+    dqs = []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        qc = _group(q[:, t0:t1].to(cdt), H)
+        doc = _group(do[:, t0:t1].to(cdt), H)
+        oc = _group(o[:, t0:t1].to(cdt), H)
+        lsec = _group(lse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)  # [B,H,G,tc]
+        p, _ = _probs(qc, k32, mask_fn(t0, t1), lsec, scale)
+        dv += torch.einsum("bhgts,bthgd->bshd", p, doc)
+        dp = torch.einsum("bthgd,bshd->bhgts", doc, v32)
+        delta = (doc * oc).sum(-1).permute(0, 2, 3, 1)  # [B,H,G,tc]
+        if dlse is not None:
+            delta = delta - _group(dlse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)
+        ds = p * (dp - delta.unsqueeze(-1))
+        dqs.append((torch.einsum("bhgts,bshd->bthgd", ds, k32) * scale).reshape(B, t1 - t0, HQ, Dk))
+        dk += torch.einsum("bhgts,bthgd->bshd", ds, qc) * scale
+    dq = torch.cat(dqs, 1) if dqs else torch.zeros_like(q, dtype=cdt)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Branch masks
+# --------------------------------------------------------------------------------------------
+
+def compressed_mask_fn(T: int, num_rows: int, block_len: int, block_stride: int,
+                       cu_seqlens: Optional[Tensor], device) -> MaskFn:
+    """Query t sees compressed block i of its own sequence iff i*d + l - 1 <= t."""
+    seq, pos = token_layout(T, cu_seqlens, device)
+    cseq, cidx = cmp_layout(num_rows, cu_seqlens, block_len, block_stride, device)
+    last = cidx * block_stride + block_len - 1
+
+    def mask_fn(t0: int, t1: int) -> Tensor:
+        m = (seq[t0:t1, None] == cseq[None]) & (last[None] <= pos[t0:t1, None])
+        return m[None, None]
+    return mask_fn
+
+
+def window_mask_fn(T: int, window: int, cu_seqlens: Optional[Tensor], device) -> MaskFn:
+    """Query t sees tokens (t - w, t] of its own sequence."""
+    seq, pos = token_layout(T, cu_seqlens, device)
+
+    def mask_fn(t0: int, t1: int) -> Tensor:
+        d = pos[t0:t1, None] - pos[None]
+        m = (seq[t0:t1, None] == seq[None]) & (d >= 0) & (d < window)
+        return m[None, None]
+    return mask_fn
+
+
+def selection_mask_fn(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor]) -> MaskFn:
+    """Query t sees tokens of its selected blocks (per KV head), clamped causally."""
+    B, T, H, n = block_idx.shape
+    device = block_idx.device
+    seq, pos = token_layout(T, cu_seqlens, device)
+    nblk = -(-T // sel_block)
+    key_blk = pos // sel_block  # [S]
+
+    def mask_fn(t0: int, t1: int) -> Tensor:
+        idx = block_idx[:, t0:t1].to(torch.int64)
+        # -1 (empty slot) scatters into a spare column that no key maps to
+        idx = torch.where(idx < 0, nblk, idx)
+        sel = torch.zeros(B, t1 - t0, H, nblk + 1, dtype=torch.bool, device=device)
+        sel.scatter_(-1, idx, True)
+        allowed = sel[..., key_blk]  # [B, tc, H, S]
+        causal = (seq[t0:t1, None] == seq[None]) & (pos[None] <= pos[t0:t1, None])  # [tc, S]
+        return (allowed & causal[None, :, None]).permute(0, 2, 1, 3)
+    return mask_fn
+
+
+# --------------------------------------------------------------------------------------------
+# The four branches
+# --------------------------------------------------------------------------------------------
+
+def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
+                         scale: float, cu_seqlens: Optional[Tensor] = None,
+                         chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
+    mask_fn = compressed_mask_fn(q.shape[1], k_cmp.shape[1], block_len, block_stride, cu_seqlens,
+                                 q.device)
+    return masked_attention(q, k_cmp, v_cmp, mask_fn, scale, chunk)
+
+
+def compressed_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale,
+                                  cu_seqlens=None, chunk: int = DEFAULT_CHUNK):
+    mask_fn = compressed_mask_fn(q.shape[1], k_cmp.shape[1], block_len, block_stride, cu_seqlens,
+                                 q.device)
+    return masked_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse, mask_fn, scale, chunk)
+
+
+def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
+                             cu_seqlens: Optional[Tensor] = None,
+                             chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
+    return masked_attention(q, k, v, window_mask_fn(q.shape[1], window, cu_seqlens, q.device),
+                            scale, chunk)
+
+
+def sliding_window_attention_backward(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens=None,
+                                      chunk: int = DEFAULT_CHUNK):
+    mask_fn = window_mask_fn(q.shape[1], window, cu_seqlens, q.device)
+    return masked_attention_backward(q, k, v, o, lse, do, dlse, mask_fn, scale, chunk)
+
+
+def selection_attention(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
+                        scale: float, cu_seqlens: Optional[Tensor] = None,
+                        chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
+    return masked_attention(q, k, v, selection_mask_fn(block_idx, sel_block, cu_seqlens), scale,
+                            chunk)
+
+
+def selection_attention_backward(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
+                                 cu_seqlens=None, chunk: int = DEFAULT_CHUNK):
+    mask_fn = selection_mask_fn(block_idx, sel_block, cu_seqlens)
+    return masked_attention_backward(q, k, v, o, lse, do, dlse, mask_fn, scale, chunk)
+
+
+# --------------------------------------------------------------------------------------------
+# Block selection: Eq.9 overlap map, Eq.10 group sum, top-n
+# --------------------------------------------------------------------------------------------
+
+def overlap_matrix(cmp_block_idx: Tensor, block_len: int, block_stride: int, sel_block: int,
+                   num_sel_blocks: int) -> Tensor:
+    """Eq.9 weights [rows, num_sel_blocks]: |[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / l."""
+    start = (cmp_block_idx * block_stride)[:, None]
+    j = torch.arange(num_sel_blocks, device=cmp_block_idx.device)[None] * sel_block
+    inter = (torch.minimum(start + block_len, j + sel_block) - torch.maximum(start, j)).clamp(min=0)
+    return inter / block_len
+
+
+def topn_blocks(score: Tensor, pos: Tensor, sel_block: int, num_sel: int) -> Tensor:
+    """Top-n per (query, KV head) with forced block 0 and the two local blocks.
+
+    score [B, tc, H, nblk] (Eq.10), pos [tc] query positions. Returns int32 [B, tc, H, num_sel],
+    valid entries ascending, -1 last. Ties go to the lower block index (stable descending sort).
+    """
+    nblk = score.shape[-1]
+    j = torch.arange(nblk, device=score.device)
+    cur = (pos // sel_block)[:, None]
+    valid = (j[None] * sel_block <= pos[:, None])  # [tc, nblk]
+    forced = valid & ((j[None] == 0) | (j[None] == cur) | (j[None] == cur - 1))
+    key = torch.where(forced[None, :, None], float("inf"),
+                      torch.where(valid[None, :, None], score, float("-inf")))
+    if nblk < num_sel:
+        key = torch.nn.functional.pad(key, (0, num_sel - nblk), value=float("-inf"))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :num_sel]
+    taken = torch.gather(key, -1, order) > float("-inf")
+    # ascending with -1 last: park empty slots past every real index, sort, then mark them -1
+    parked = torch.where(taken, order, key.shape[-1])
+    picked = torch.sort(parked, dim=-1).values
+    return torch.where(picked == key.shape[-1], -1, picked).to(torch.int32)
+
+
+def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
+                  sel_block: int, num_sel: int, scale: float, cu_seqlens: Optional[Tensor] = None,
+                  chunk: int = DEFAULT_CHUNK) -> Tensor:
+    """block_idx int32 [B,T,H,num_sel] from p_cmp (via the compressed branch's lse), Eq.9, Eq.10."""
+    B, T, HQ, _ = q.shape
+    H = k_cmp.shape[2]
+    device = q.device
+    cdt = compute_dtype(q.dtype)
+    mask_fn = compressed_mask_fn(T, k_cmp.shape[1], block_len, block_stride, cu_seqlens, device)
+    _, pos = token_layout(T, cu_seqlens, device)
+    _, cidx = cmp_layout(k_cmp.shape[1], cu_seqlens, block_len, block_stride, device)
+    nblk = max(1, -(-T // sel_block))
+    overlap = overlap_matrix(cidx, block_len, block_stride, sel_block, nblk).to(cdt)
+    k32 = k_cmp.to(cdt)
+    out = []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        qc = _group(q[:, t0:t1].to(cdt), H)
+        lsec = _group(lse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)
+        p_cmp, _ = _probs(qc, k32, mask_fn(t0, t1), lsec, scale)  # [B,H,G,tc,rows]
+        score = (p_cmp.sum(2) @ overlap).permute(0, 2, 1, 3)  # Eq.9 then Eq.10 -> [B,tc,H,nblk]
+        out.append(topn_blocks(score, pos[t0:t1], sel_block, num_sel))
+    if not out:
+        return torch.empty(B, 0, H, num_sel, dtype=torch.int32, device=device)
+    return torch.cat(out, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Gate and the full NSA forward
+# --------------------------------------------------------------------------------------------
+
+def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor, g_slc: Tensor,
+                 g_win: Tensor) -> Tensor:
+    """o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win with gates [B,T,HQ] broadcast over Dv."""
+    return (g_cmp.unsqueeze(-1) * o_cmp + g_slc.unsqueeze(-1) * o_slc
+            + g_win.unsqueeze(-1) * o_win)
+
+
+def nsa(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor, *,
+        block_len: int = 32, block_stride: int = 16, sel_block: int = 64, num_sel: int = 16,
+        window: int = 512, scale: Optional[float] = None, cu_seqlens: Optional[Tensor] = None,
+        block_idx: Optional[Tensor] = None) -> Tensor:
+    """Whole NSA (phi = mean) in reference arithmetic; the oracle for `nsa_ops.nsa_attention`."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k_cmp = compress_mean(k, block_len, block_stride, cu_seqlens)
+    v_cmp = compress_mean(v, block_len, block_stride, cu_seqlens)
+    o_cmp, lse_cmp = compressed_attention(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens)
+    if block_idx is None:
+        block_idx = select_blocks(q, k_cmp, lse_cmp, block_len, block_stride, sel_block, num_sel,
+                                  scale, cu_seqlens)
+    o_slc, _ = selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens)
+    o_win, _ = sliding_window_attention(q, k, v, window, scale, cu_seqlens)
+    return gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+
+
+def full_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
+                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Plain causal attention, for small-T equivalence checks."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return sliding_window_attention(q, k, v, max(1, q.shape[1]), scale, cu_seqlens)
