@@ -1,0 +1,11 @@
+"""nsa-ops: DeepSeek's Native Sparse Attention as PyTorch custom operators.
+
+Importing registers torch.ops.nsa.{compressed_attention, select_blocks, selection_attention,
+sliding_window_attention} (and their backward ops). See ../shared/NSA-SPEC.md for the contract.
+"""
+from . import ops, reference, routing
+from .compression import PhiMLP
+from .functional import nsa_attention
+
+__all__ = ["nsa_attention", "PhiMLP", "ops", "reference", "routing"]
+__version__ = "0.1.0"

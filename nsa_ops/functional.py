@@ -1,0 +1,63 @@
+"""nsa_ops.nsa_attention: the whole NSA layer core on top of the torch.ops.nsa.* ops."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import ops, reference
+from . import validation as check
+
+# phi maps tokens [B,T,H,D] to compressed rows [B,num_cmp,H,D]:
+# phi(x, block_len, block_stride, cu_seqlens). nsa_ops.PhiMLP instances qualify.
+Phi = Callable[[Tensor, int, int, Optional[Tensor]], Tensor]
+
+
+def _resolve_phi(phi) -> tuple[Phi, Phi]:
+    if isinstance(phi, str):
+        if phi == "mean":
+            return reference.compress_mean, reference.compress_mean
+        if phi == "mlp":
+            raise ValueError('phi="mlp" has learnable weights: pass PhiMLP modules, e.g. '
+                             'phi=(nsa_ops.PhiMLP(block_len, Dk), nsa_ops.PhiMLP(block_len, Dv)), '
+                             'or use nsa_ops.NSAAttention')
+        raise ValueError(f'phi must be "mean", a callable or a (phi_k, phi_v) pair, got {phi!r}')
+    if isinstance(phi, tuple) and len(phi) == 2 and all(callable(p) for p in phi):
+        return phi
+    if callable(phi):
+        return phi, phi
+    raise ValueError(f'phi must be "mean", a callable or a (phi_k, phi_v) pair, got {phi!r}')
+
+
+def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor, *,
+                  block_len: int = 32, block_stride: int = 16, sel_block: int = 64,
+                  num_sel: int = 16, window: int = 512,
+                  phi: Union[str, Phi, tuple[Phi, Phi]] = "mean", scale: Optional[float] = None,
+                  cu_seqlens: Optional[Tensor] = None, block_idx: Optional[Tensor] = None) -> Tensor:
+    """Native Sparse Attention: o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win.
+
+    q [B,T,HQ,Dk], k [B,T,H,Dk], v [B,T,H,Dv], gates [B,T,HQ] (already activated). Varlen: B == 1
+    and cu_seqlens int32 [N+1] (compressing varlen input reads cu_seqlens on the host once).
+    block_idx [B,T,H,num_sel] overrides the learned selection (e.g. to reuse it across layers).
+    """
+    check.check_qkv(q, k, v)
+    check.check_same_length(q, k)
+    for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_win", g_win)):
+        check.check_gate(name, g, q)
+    check.check_block_params(block_len, block_stride, sel_block, num_sel, window)
+    check.check_cu_seqlens(cu_seqlens, q)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    check.check_scale(scale)
+    phi_k, phi_v = _resolve_phi(phi)
+
+    k_cmp = phi_k(k, block_len, block_stride, cu_seqlens)
+    v_cmp = phi_v(v, block_len, block_stride, cu_seqlens)
+    o_cmp, lse_cmp = ops.compressed_attention(q, k_cmp, v_cmp, block_len, block_stride, scale,
+                                              cu_seqlens)
+    if block_idx is None:
+        block_idx = ops.select_blocks(q, k_cmp, lse_cmp, block_len, block_stride, sel_block,
+                                      num_sel, scale, cu_seqlens)
+    o_slc, _ = ops.selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens)
+    o_win, _ = ops.sliding_window_attention(q, k, v, window, scale, cu_seqlens)
+    return reference.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)

@@ -1,0 +1,215 @@
+"""torch.ops.nsa.*: the four NSA branch ops of the spec plus their backward ops.
+
+Each op is thin: validate (nsa_ops.validation), then run what the routing table picks for the
+inputs' device, SM, dtype and shape. The CPU and CUDA kernels share that one path; the fake
+kernels run the same shape checks so torch.compile reports malformed inputs at trace time.
+Backward ops are ops too, so compiled and exported backward graphs keep them opaque.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import custom_op
+
+from . import routing
+from . import validation as check
+from .routing import Inputs
+
+_DEVICES = ("cpu", "cuda")
+
+
+def _route(op: str, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> routing.Route:
+    return routing.choose(op, Inputs.of(q, v, cu_seqlens))
+
+
+def _call(target: str, route: routing.Route, *args):
+    return routing.resolve(target)(*args, **dict(route.options))
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _fake_attention(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    B, T, HQ, _ = q.shape
+    return q.new_empty(B, T, HQ, v.shape[-1]), q.new_empty(B, T, HQ, dtype=_lse_dtype(q))
+
+
+def _fake_grads(*like: Tensor) -> tuple[Tensor, ...]:
+    return tuple(torch.empty_like(t) for t in like)
+
+
+# ---- compressed attention ------------------------------------------------------------------
+
+@custom_op("nsa::compressed_attention", mutates_args=(), device_types=_DEVICES)
+def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len: int,
+                         block_stride: int, scale: float,
+                         cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    check.compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens)
+    route = _route("compressed_attention", q, v_cmp, cu_seqlens)
+    return _call(route.forward, route, q, k_cmp, v_cmp, block_len, block_stride, scale,
+                 cu_seqlens)
+
+
+@compressed_attention.register_fake
+def _(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens=None):
+    check.compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens)
+    return _fake_attention(q, v_cmp)
+
+
+@custom_op("nsa::compressed_attention_backward", mutates_args=(), device_types=_DEVICES)
+def compressed_attention_backward(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor, lse: Tensor,
+                                  do: Tensor, dlse: Optional[Tensor], block_len: int,
+                                  block_stride: int, scale: float,
+                                  cu_seqlens: Optional[Tensor] = None
+                                  ) -> tuple[Tensor, Tensor, Tensor]:
+    route = _route("compressed_attention", q, v_cmp, cu_seqlens)
+    return _call(route.backward, route, q, k_cmp, v_cmp, o, lse, do, dlse, block_len,
+                 block_stride, scale, cu_seqlens)
+
+
+@compressed_attention_backward.register_fake
+def _(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale, cu_seqlens=None):
+    return _fake_grads(q, k_cmp, v_cmp)
+
+
+def _setup_compressed(ctx, inputs, output):
+    q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens = inputs
+    ctx.save_for_backward(q, k_cmp, v_cmp, *output, cu_seqlens)
+    ctx.params = (block_len, block_stride, scale)
+
+
+def _backward_compressed(ctx, do, dlse):
+    q, k_cmp, v_cmp, o, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = compressed_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse, *ctx.params,
+                                               cu_seqlens)
+    return dq, dk, dv, None, None, None, None
+
+
+compressed_attention.register_autograd(_backward_compressed, setup_context=_setup_compressed)
+
+
+# ---- block selection (non-differentiable) ----------------------------------------------------
+
+@custom_op("nsa::select_blocks", mutates_args=(), device_types=_DEVICES)
+def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
+                  sel_block: int, num_sel: int, scale: float,
+                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    check.select_blocks_args(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale,
+                             cu_seqlens)
+    route = _route("select_blocks", q, k_cmp, cu_seqlens)
+    return _call(route.forward, route, q, k_cmp, lse, block_len, block_stride, sel_block, num_sel,
+                 scale, cu_seqlens)
+
+
+@select_blocks.register_fake
+def _(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale, cu_seqlens=None):
+    check.select_blocks_args(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale,
+                             cu_seqlens)
+    B, T = q.shape[:2]
+    return q.new_empty(B, T, k_cmp.shape[2], num_sel, dtype=torch.int32)
+
+
+def _no_grad_select(ctx, grad):
+    # top-n is piecewise constant: no gradient reaches q, k_cmp or lse through the indices
+    return (None,) * 9
+
+
+select_blocks.register_autograd(_no_grad_select, setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- selection attention ---------------------------------------------------------------------
+
+@custom_op("nsa::selection_attention", mutates_args=(), device_types=_DEVICES)
+def selection_attention(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
+                        scale: float, cu_seqlens: Optional[Tensor] = None
+                        ) -> tuple[Tensor, Tensor]:
+    check.selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_seqlens)
+    route = _route("selection_attention", q, v, cu_seqlens)
+    return _call(route.forward, route, q, k, v, block_idx, sel_block, scale, cu_seqlens)
+
+
+@selection_attention.register_fake
+def _(q, k, v, block_idx, sel_block, scale, cu_seqlens=None):
+    check.selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_seqlens)
+    return _fake_attention(q, v)
+
+
+@custom_op("nsa::selection_attention_backward", mutates_args=(), device_types=_DEVICES)
+def selection_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                                 do: Tensor, dlse: Optional[Tensor], block_idx: Tensor,
+                                 sel_block: int, scale: float,
+                                 cu_seqlens: Optional[Tensor] = None
+                                 ) -> tuple[Tensor, Tensor, Tensor]:
+    route = _route("selection_attention", q, v, cu_seqlens)
+    return _call(route.backward, route, q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
+                 cu_seqlens)
+
+
+@selection_attention_backward.register_fake
+def _(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale, cu_seqlens=None):
+    return _fake_grads(q, k, v)
+
+
+def _setup_selection(ctx, inputs, output):
+    q, k, v, block_idx, sel_block, scale, cu_seqlens = inputs
+    ctx.save_for_backward(q, k, v, *output, block_idx, cu_seqlens)
+    ctx.params = (sel_block, scale)
+
+
+def _backward_selection(ctx, do, dlse):
+    q, k, v, o, lse, block_idx, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = selection_attention_backward(q, k, v, o, lse, do, dlse, block_idx, *ctx.params,
+                                              cu_seqlens)
+    return dq, dk, dv, None, None, None, None
+
+
+selection_attention.register_autograd(_backward_selection, setup_context=_setup_selection)
+
+
+# ---- sliding window attention ----------------------------------------------------------------
+
+@custom_op("nsa::sliding_window_attention", mutates_args=(), device_types=_DEVICES)
+def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
+                             cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    check.sliding_window_attention_args(q, k, v, window, scale, cu_seqlens)
+    route = _route("sliding_window_attention", q, v, cu_seqlens)
+    return _call(route.forward, route, q, k, v, window, scale, cu_seqlens)
+
+
+@sliding_window_attention.register_fake
+def _(q, k, v, window, scale, cu_seqlens=None):
+    check.sliding_window_attention_args(q, k, v, window, scale, cu_seqlens)
+    return _fake_attention(q, v)
+
+
+@custom_op("nsa::sliding_window_attention_backward", mutates_args=(), device_types=_DEVICES)
+def sliding_window_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+                                      do: Tensor, dlse: Optional[Tensor], window: int,
+                                      scale: float, cu_seqlens: Optional[Tensor] = None
+                                      ) -> tuple[Tensor, Tensor, Tensor]:
+    route = _route("sliding_window_attention", q, v, cu_seqlens)
+    return _call(route.backward, route, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens)
+
+
+@sliding_window_attention_backward.register_fake
+def _(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens=None):
+    return _fake_grads(q, k, v)
+
+
+def _setup_window(ctx, inputs, output):
+    q, k, v, window, scale, cu_seqlens = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    ctx.params = (window, scale)
+
+
+def _backward_window(ctx, do, dlse):
+    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = sliding_window_attention_backward(q, k, v, o, lse, do, dlse, *ctx.params,
+                                                   cu_seqlens)
+    return dq, dk, dv, None, None, None
+
+
+sliding_window_attention.register_autograd(_backward_window, setup_context=_setup_window)

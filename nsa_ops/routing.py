@@ -1,0 +1,219 @@
+"""The one routing table: which implementation runs each op for given inputs, and why not others.
+
+Rows are data. For each op, candidates are tried in table order; the first whose `refuse`
+returns None runs. Every refusal carries a reason string (like xformers' not_supported_reasons),
+printed by `python -m nsa_ops routing`. Implementations are named by "module:function" so the
+table stays data and importing nsa_ops never imports Triton.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from . import env
+
+OPS = ("compressed_attention", "select_blocks", "selection_attention", "sliding_window_attention")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What routing may look at: never tensor values, so choosing costs no device sync."""
+    device_type: str
+    sm: Optional[tuple[int, int]]
+    dtype: torch.dtype
+    head_dim_qk: int
+    head_dim_v: int
+    seqlen: int
+    varlen: bool = False
+
+    @staticmethod
+    def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> "Inputs":
+        sm = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+        return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], q.shape[1],
+                      cu_seqlens is not None)
+
+
+Refusal = Callable[[Inputs], Optional[str]]
+
+
+def _first(*checks: Refusal) -> Refusal:
+    def refuse(x: Inputs) -> Optional[str]:
+        for check in checks:
+            reason = check(x)
+            if reason:
+                return reason
+        return None
+    return refuse
+
+
+def _needs_cuda(x: Inputs) -> Optional[str]:
+    if x.device_type != "cuda":
+        return f"needs a CUDA device, inputs are on {x.device_type}"
+    return None
+
+
+def _needs_triton(x: Inputs) -> Optional[str]:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install nsa-ops[triton])"
+    return None
+
+
+def _needs_sm80(x: Inputs) -> Optional[str]:
+    if x.sm is not None and x.sm < (8, 0):
+        return f"needs sm80+ (Ampere or newer), device is sm{x.sm[0]}{x.sm[1]}"
+    return None
+
+
+def _needs_half_or_fp32(x: Inputs) -> Optional[str]:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"kernels take float16/bfloat16/float32, got {x.dtype} (float64 runs the reference)"
+    return None
+
+
+def _head_dims_upto(limit: int) -> Refusal:
+    def refuse(x: Inputs) -> Optional[str]:
+        if max(x.head_dim_qk, x.head_dim_v) > limit:
+            return f"head dims must be <= {limit}, got Dk={x.head_dim_qk}, Dv={x.head_dim_v}"
+        return None
+    return refuse
+
+
+def _half_only(x: Inputs) -> Optional[str]:
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashAttention-2 takes float16/bfloat16 only, got {x.dtype}"
+    return None
+
+
+def _equal_head_dims(x: Inputs) -> Optional[str]:
+    if x.head_dim_qk != x.head_dim_v:
+        return f"FlashAttention-2 needs Dk == Dv, got Dk={x.head_dim_qk}, Dv={x.head_dim_v}"
+    return None
+
+
+def _importable(module: str) -> Refusal:
+    def refuse(x: Inputs) -> Optional[str]:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not importable"
+        return None
+    return refuse
+
+
+def _has_aten_fa2(x: Inputs) -> Optional[str]:
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return "this torch build has no aten._flash_attention_forward"
+    return None
+
+
+def _always(x: Inputs) -> Optional[str]:
+    return None
+
+
+_triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256))
+_fa2_common = _first(_needs_cuda, _needs_sm80, _half_only, _equal_head_dims, _head_dims_upto(256))
+
+
+@dataclass(frozen=True)
+class Route:
+    op: str
+    impl: str
+    forward: str            # "module:function"
+    backward: Optional[str]  # None for non-differentiable ops
+    refuse: Refusal
+    options: tuple[tuple[str, str], ...] = ()  # extra keyword arguments for forward/backward
+
+
+_REF = "nsa_ops.reference"
+_WIN_FWD = "nsa_ops.kernels.window:sliding_window_fwd"
+_WIN_BWD = "nsa_ops.kernels.window:sliding_window_bwd"
+TABLE: tuple[Route, ...] = (
+    Route("compressed_attention", "triton", "nsa_ops.kernels.compressed:compressed_attention_fwd",
+          "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton),
+    Route("compressed_attention", "reference", f"{_REF}:compressed_attention",
+          f"{_REF}:compressed_attention_backward", _always),
+    Route("select_blocks", "triton", "nsa_ops.kernels.compressed:select_blocks", None, _triton),
+    Route("select_blocks", "reference", f"{_REF}:select_blocks", None, _always),
+    Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
+          "nsa_ops.kernels.selection:selection_attention_bwd", _triton),
+    Route("selection_attention", "reference", f"{_REF}:selection_attention",
+          f"{_REF}:selection_attention_backward", _always),
+    Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,
+          _first(_importable("flash_attn"), _fa2_common), (("backend", "flash_attn"),)),
+    Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,
+          _first(_has_aten_fa2, _fa2_common), (("backend", "aten_fa2"),)),
+    Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
+          (("backend", "triton"),)),
+    Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",
+          f"{_REF}:sliding_window_attention_backward", _always),
+)
+
+
+def candidates(op: str) -> list[Route]:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    return [r for r in TABLE if r.op == op]
+
+
+def explain(op: str, x: Inputs) -> list[tuple[str, Optional[str]]]:
+    """(impl, refusal reason or None) for every candidate of op, in preference order."""
+    forced = env.forced_impl(op)
+    rows = []
+    for r in candidates(op):
+        reason = r.refuse(x)
+        if reason is None and forced and r.impl != forced:
+            reason = f"not the forced impl (NSA_OPS_FORCE_IMPL*={forced})"
+        rows.append((r.impl, reason))
+    return rows
+
+
+def choose(op: str, x: Inputs) -> Route:
+    rows = explain(op, x)
+    for route, (_, reason) in zip(candidates(op), rows):
+        if reason is None:
+            return route
+    raise ValueError(f"no implementation of nsa.{op} serves {x}: "
+                     + "; ".join(f"{impl}: {reason}" for impl, reason in rows))
+
+
+_resolved: dict[str, Callable] = {}
+
+
+def resolve(target: str) -> Callable:
+    fn = _resolved.get(target)
+    if fn is None:
+        module, name = target.split(":")
+        fn = _resolved[target] = getattr(importlib.import_module(module), name)
+    return fn
+
+
+def describe(examples: Optional[list[Inputs]] = None) -> str:
+    """The table and, for each example input, which impl runs and why the others do not."""
+    lines = ["nsa_ops routing table (first candidate without a refusal runs):"]
+    for op in OPS:
+        lines.append(f"  {op}: " + " -> ".join(r.impl for r in candidates(op)))
+    for x in examples or default_examples():
+        sm = f"sm{x.sm[0]}{x.sm[1]}" if x.sm else "-"
+        lines.append(f"\n{x.device_type} {sm} {str(x.dtype).replace('torch.', '')} "
+                     f"Dk={x.head_dim_qk} Dv={x.head_dim_v} T={x.seqlen}"
+                     + (" varlen" if x.varlen else ""))
+        for op in OPS:
+            chosen = choose(op, x).impl
+            lines.append(f"  {op:26s} -> {chosen}")
+            for impl, reason in explain(op, x):
+                if reason:
+                    lines.append(f"      {impl:11s} refused: {reason}")
+    return "\n".join(lines)
+
+
+def default_examples() -> list[Inputs]:
+    bf16 = torch.bfloat16
+    examples = [Inputs("cpu", None, torch.float32, 128, 128, 4096)]
+    if torch.cuda.is_available():
+        examples.append(Inputs("cuda", torch.cuda.get_device_capability(), bf16, 128, 128, 32768))
+    examples += [Inputs("cuda", (9, 0), bf16, 128, 128, 32768),
+                 Inputs("cuda", (9, 0), bf16, 192, 128, 32768),
+                 Inputs("cuda", (7, 5), torch.float16, 128, 128, 8192)]
+    return examples

@@ -1,0 +1,218 @@
+"""Input validation for the nsa ops: every malformed input raises ValueError naming the argument.
+
+Shape, dtype and device checks always run (also on fake tensors, so torch.compile reports them
+at trace time). Checks that read tensor *values* (cu_seqlens monotonic, block_idx in range) run
+only where that costs no device sync: on CPU tensors, or everywhere when NSA_OPS_CHECK_VALUES=1
+(see nsa_ops.env) — a hidden `.item()` on CUDA would break CUDA graphs and stall the stream.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import env
+from .reference import num_cmp
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def _is_concrete(x) -> bool:
+    return isinstance(x, int)
+
+
+def _values_readable(t: Tensor) -> bool:
+    if t.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(t):
+        return False
+    return t.device.type == "cpu" or env.check_values()
+
+
+def check_tensor(name: str, t, rank: int, layout: str):
+    if not isinstance(t, Tensor):
+        _fail(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != rank:
+        _fail(f"{name} must have rank {rank} ({layout}), got shape {tuple(t.shape)}")
+
+
+def check_float(name: str, t: Tensor, like: Optional[Tensor] = None, like_name: str = "q"):
+    if t.dtype not in FLOAT_DTYPES:
+        _fail(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+    if like is not None and t.dtype != like.dtype:
+        _fail(f"{name} must have the same dtype as {like_name} ({like.dtype}), got {t.dtype}")
+
+
+def check_device(name: str, t: Tensor, like: Tensor, like_name: str = "q"):
+    if t.device != like.device:
+        _fail(f"{name} must be on the same device as {like_name} ({like.device}), got {t.device}")
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        _fail(f"{name} must be a positive int, got {value!r}")
+
+
+def check_scale(scale) -> None:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 \
+            or scale == float("inf"):
+        _fail(f"scale must be a finite positive float, got {scale!r}")
+
+
+def check_block_params(block_len=None, block_stride=None, sel_block=None, num_sel=None,
+                       window=None) -> None:
+    for name, value in (("block_len", block_len), ("block_stride", block_stride),
+                        ("sel_block", sel_block), ("num_sel", num_sel), ("window", window)):
+        if value is not None:
+            check_positive_int(name, value)
+    if block_len is not None and block_stride is not None and block_len % block_stride:
+        _fail(f"block_stride must divide block_len (d | l), got block_len={block_len}, "
+              f"block_stride={block_stride}")
+    if sel_block is not None and block_stride is not None and sel_block % block_stride:
+        _fail(f"block_stride must divide sel_block (d | l'), got sel_block={sel_block}, "
+              f"block_stride={block_stride}")
+    if num_sel is not None and num_sel < 3:
+        _fail(f"num_sel must be >= 3 (block 0 and the two local blocks are always selected), "
+              f"got {num_sel}")
+
+
+def check_qkv(q, k, v, k_name: str = "k", v_name: str = "v") -> None:
+    """q [B,T,HQ,Dk], k [B,S,H,Dk], v [B,S,H,Dv] with HQ % H == 0, one dtype, one device."""
+    check_tensor("q", q, 4, "[B, T, HQ, Dk]")
+    check_tensor(k_name, k, 4, "[B, T, H, Dk]")
+    check_tensor(v_name, v, 4, "[B, T, H, Dv]")
+    check_float("q", q)
+    check_float(k_name, k, q)
+    check_float(v_name, v, q)
+    check_device(k_name, k, q)
+    check_device(v_name, v, q)
+    B, T, HQ, Dk = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        _fail(f"{k_name} and {v_name} must have batch size B={B} like q, got "
+              f"{k_name} {tuple(k.shape)}, {v_name} {tuple(v.shape)}")
+    if k.shape[3] != Dk:
+        _fail(f"{k_name} must have head dim Dk={Dk} like q ([B, T, H, Dk]), got {tuple(k.shape)}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+        _fail(f"{v_name} must have the same length and heads as {k_name} "
+              f"({tuple(k.shape[:3])}), got {tuple(v.shape)}")
+    H = k.shape[2]
+    if H == 0 or HQ % H != 0:
+        _fail(f"q heads HQ={HQ} must be a multiple of {k_name} heads H={H} (GQA group HQ/H)")
+
+
+def check_same_length(q: Tensor, k: Tensor) -> None:
+    if k.shape[1] != q.shape[1]:
+        _fail(f"k must have the same length T={q.shape[1]} as q ([B, T, H, Dk]), "
+              f"got {tuple(k.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens, q: Tensor) -> None:
+    if cu_seqlens is None:
+        return
+    check_tensor("cu_seqlens", cu_seqlens, 1, "int32 [N+1]")
+    if cu_seqlens.dtype != torch.int32:
+        _fail(f"cu_seqlens must be int32 [N+1], got {cu_seqlens.dtype}")
+    check_device("cu_seqlens", cu_seqlens, q)
+    if cu_seqlens.shape[0] < 2:
+        _fail(f"cu_seqlens must have N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
+    if q.shape[0] != 1:
+        _fail(f"q must have B == 1 when cu_seqlens is given (sequences packed along T), "
+              f"got B={q.shape[0]}")
+    if _values_readable(cu_seqlens):
+        T = q.shape[1]
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
+            _fail(f"cu_seqlens must start at 0 and end at T={T}, got "
+                  f"[{int(cu_seqlens[0])}, ..., {int(cu_seqlens[-1])}]")
+        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            _fail("cu_seqlens must be non-decreasing")
+
+
+def check_cmp_rows(name: str, k_cmp: Tensor, q: Tensor, block_len: int, block_stride: int,
+                   cu_seqlens: Optional[Tensor]) -> None:
+    """k_cmp must hold exactly num_cmp rows (per sequence, packed, in varlen)."""
+    if cu_seqlens is None:
+        T, rows = q.shape[1], k_cmp.shape[1]
+        if _is_concrete(T) and _is_concrete(rows) and rows != num_cmp(T, block_len, block_stride):
+            _fail(f"{name} must have num_cmp(T) = {num_cmp(T, block_len, block_stride)} rows "
+                  f"for T={T}, l={block_len}, d={block_stride} ([B, num_cmp, H, D]), got {rows}")
+    elif _values_readable(cu_seqlens):
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        want = int(num_cmp(lens, block_len, block_stride).sum())
+        if k_cmp.shape[1] != want:
+            _fail(f"{name} must pack sum_i num_cmp(S_i) = {want} rows for these cu_seqlens, "
+                  f"got {k_cmp.shape[1]}")
+
+
+def check_lse(lse, q: Tensor) -> None:
+    check_tensor("lse", lse, 3, "float32 [B, T, HQ]")
+    if tuple(lse.shape) != tuple(q.shape[:3]):
+        _fail(f"lse must have shape [B, T, HQ] = {tuple(q.shape[:3])}, got {tuple(lse.shape)}")
+    if lse.dtype not in (torch.float32, torch.float64):
+        _fail(f"lse must be float32 (as returned by compressed_attention), got {lse.dtype}")
+    check_device("lse", lse, q)
+
+
+def check_block_idx(block_idx, k: Tensor, sel_block: int) -> None:
+    check_tensor("block_idx", block_idx, 4, "int32 [B, T, H, n]")
+    if block_idx.dtype not in (torch.int32, torch.int64):
+        _fail(f"block_idx must be int32 [B, T, H, n], got {block_idx.dtype}")
+    check_device("block_idx", block_idx, k, "k")
+    B, T, H = k.shape[:3]
+    if tuple(block_idx.shape[:3]) != (B, T, H):
+        _fail(f"block_idx must have shape [B, T, H, n] with (B, T, H) = {(B, T, H)}, "
+              f"got {tuple(block_idx.shape)}")
+    if _values_readable(block_idx) and block_idx.numel():
+        nblk = -(-T // sel_block)
+        lo, hi = int(block_idx.min()), int(block_idx.max())
+        if lo < -1 or hi >= nblk:
+            _fail(f"block_idx entries must be -1 (empty) or in [0, ceil(T/sel_block)) = "
+                  f"[0, {nblk}), got values in [{lo}, {hi}]")
+
+
+def check_gate(name: str, g, q: Tensor) -> None:
+    check_tensor(name, g, 3, "[B, T, HQ]")
+    if tuple(g.shape) != tuple(q.shape[:3]):
+        _fail(f"{name} must have shape [B, T, HQ] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
+    check_float(name, g)
+    check_device(name, g, q)
+
+
+# ---- one entry point per op, shared by the real kernels and the fake kernels ------------------
+
+def compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens):
+    check_qkv(q, k_cmp, v_cmp, "k_cmp", "v_cmp")
+    check_block_params(block_len=block_len, block_stride=block_stride)
+    check_scale(scale)
+    check_cu_seqlens(cu_seqlens, q)
+    check_cmp_rows("k_cmp", k_cmp, q, block_len, block_stride, cu_seqlens)
+
+
+def select_blocks_args(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale,
+                       cu_seqlens):
+    check_qkv(q, k_cmp, k_cmp, "k_cmp", "k_cmp")
+    check_lse(lse, q)
+    check_block_params(block_len=block_len, block_stride=block_stride, sel_block=sel_block,
+                       num_sel=num_sel)
+    check_scale(scale)
+    check_cu_seqlens(cu_seqlens, q)
+    check_cmp_rows("k_cmp", k_cmp, q, block_len, block_stride, cu_seqlens)
+
+
+def selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_seqlens):
+    check_qkv(q, k, v)
+    check_same_length(q, k)
+    check_block_params(sel_block=sel_block)
+    check_scale(scale)
+    check_cu_seqlens(cu_seqlens, q)
+    check_block_idx(block_idx, k, sel_block)
+
+
+def sliding_window_attention_args(q, k, v, window, scale, cu_seqlens):
+    check_qkv(q, k, v)
+    check_same_length(q, k)
+    check_block_params(window=window)
+    check_scale(scale)
+    check_cu_seqlens(cu_seqlens, q)
