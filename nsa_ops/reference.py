@@ -320,30 +320,39 @@ def topn_blocks(score: Tensor, pos: Tensor, sel_block: int, num_sel: int) -> Ten
     return torch.where(picked == key.shape[-1], -1, picked).to(torch.int32)
 
 
+def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
+                 sel_block: int, scale: float, cu_seqlens: Optional[Tensor] = None,
+                 t0: int = 0, t1: Optional[int] = None) -> Tensor:
+    """Eq.10 scores [B, t1-t0, H, ceil(T/l')] of query rows t0..t1 (p_cmp via the cmp lse, Eq.9)."""
+    T = q.shape[1]
+    t1 = T if t1 is None else t1
+    H = k_cmp.shape[2]
+    cdt = compute_dtype(q.dtype)
+    mask_fn = compressed_mask_fn(T, k_cmp.shape[1], block_len, block_stride, cu_seqlens, q.device)
+    _, cidx = cmp_layout(k_cmp.shape[1], cu_seqlens, block_len, block_stride, q.device)
+    overlap = overlap_matrix(cidx, block_len, block_stride, sel_block, max(1, -(-T // sel_block)))
+    qc = _group(q[:, t0:t1].to(cdt), H)
+    lsec = _group(lse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)
+    p_cmp, _ = _probs(qc, k_cmp.to(cdt), mask_fn(t0, t1), lsec, scale)  # [B,H,G,tc,rows]
+    p_slc = p_cmp @ overlap.to(cdt)  # Eq.9 -> [B,H,G,tc,nblk]
+    return p_slc.sum(2).permute(0, 2, 1, 3)  # Eq.10: sum over the group's G query heads
+
+
 def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
                   sel_block: int, num_sel: int, scale: float, cu_seqlens: Optional[Tensor] = None,
                   chunk: int = DEFAULT_CHUNK) -> Tensor:
-    """block_idx int32 [B,T,H,num_sel] from p_cmp (via the compressed branch's lse), Eq.9, Eq.10."""
-    B, T, HQ, _ = q.shape
+    """block_idx int32 [B,T,H,num_sel]: top-n of the Eq.10 scores with the forced blocks."""
+    B, T = q.shape[:2]
     H = k_cmp.shape[2]
-    device = q.device
-    cdt = compute_dtype(q.dtype)
-    mask_fn = compressed_mask_fn(T, k_cmp.shape[1], block_len, block_stride, cu_seqlens, device)
-    _, pos = token_layout(T, cu_seqlens, device)
-    _, cidx = cmp_layout(k_cmp.shape[1], cu_seqlens, block_len, block_stride, device)
-    nblk = max(1, -(-T // sel_block))
-    overlap = overlap_matrix(cidx, block_len, block_stride, sel_block, nblk).to(cdt)
-    k32 = k_cmp.to(cdt)
+    _, pos = token_layout(T, cu_seqlens, q.device)
     out = []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        qc = _group(q[:, t0:t1].to(cdt), H)
-        lsec = _group(lse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)
-        p_cmp, _ = _probs(qc, k32, mask_fn(t0, t1), lsec, scale)  # [B,H,G,tc,rows]
-        score = (p_cmp.sum(2) @ overlap).permute(0, 2, 1, 3)  # Eq.9 then Eq.10 -> [B,tc,H,nblk]
+        score = block_scores(q, k_cmp, lse, block_len, block_stride, sel_block, scale, cu_seqlens,
+                             t0, t1)
         out.append(topn_blocks(score, pos[t0:t1], sel_block, num_sel))
     if not out:
-        return torch.empty(B, 0, H, num_sel, dtype=torch.int32, device=device)
+        return torch.empty(B, 0, H, num_sel, dtype=torch.int32, device=q.device)
     return torch.cat(out, 1)
 
 

@@ -1,0 +1,80 @@
+"""torch.library.opcheck and float64 gradcheck for every nsa op."""
+import pytest
+import torch
+from torch.library import opcheck
+
+import nsa_ops  # noqa: F401  (registers torch.ops.nsa)
+from helpers import SMALL, compressed, cu_seqlens, qkv, selection_for
+
+L, D, LP, N = SMALL["block_len"], SMALL["block_stride"], SMALL["sel_block"], SMALL["num_sel"]
+
+CASES = [  # (B, T, G, varlen lengths or None)
+    *[(B, T, G, None) for B, T in ((1, 45), (2, 70)) for G in (1, 2, 4, 16)],
+    (1, 75, 2, (30, 5, 40)),
+    (1, 61, 4, (20, 41)),
+]
+DTYPES = [torch.float32, torch.float64]
+
+
+def _args(op, B, T, G, lengths, dtype):
+    H, Dk, Dv = 2, 16, 8
+    q, k, v = qkv(B, T, G * H, H, Dk, Dv, dtype, seed=B * 100 + T + G, requires_grad=True)
+    cu = cu_seqlens(lengths) if lengths else None
+    scale = Dk ** -0.5
+    k_cmp, v_cmp = (t.detach().requires_grad_() for t in compressed(k.detach(), v.detach(), SMALL, cu))
+    if op == "compressed_attention":
+        return (q, k_cmp, v_cmp, L, D, scale, cu)
+    if op == "select_blocks":
+        _, lse = torch.ops.nsa.compressed_attention(q.detach(), k_cmp.detach(), v_cmp.detach(), L, D,
+                                                    scale, cu)
+        return (q, k_cmp, lse, L, D, LP, N, scale, cu)
+    if op == "selection_attention":
+        return (q, k, v, selection_for(q.detach(), k.detach(), v.detach(), SMALL, cu), LP, scale, cu)
+    return (q, k, v, 24, scale, cu)
+
+
+OPS = ["compressed_attention", "select_blocks", "selection_attention", "sliding_window_attention"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,G,lengths", CASES)
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck(op, B, T, G, lengths, dtype):
+    opcheck(getattr(torch.ops.nsa, op).default, _args(op, B, T, G, lengths, dtype))
+
+
+@pytest.mark.parametrize("op", ["compressed_attention", "selection_attention",
+                                "sliding_window_attention"])
+def test_opcheck_backward_ops(op):
+    args = _args(op, 2, 45, 2, None, torch.float64)
+    o, lse = getattr(torch.ops.nsa, op)(*args)
+    do, dlse = torch.randn_like(o), torch.randn_like(lse)
+    q, k, v, *rest = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    cu = rest[-1]
+    params = rest[:-1]
+    bwd = getattr(torch.ops.nsa, op + "_backward").default
+    opcheck(bwd, (q, k, v, o.detach(), lse.detach(), do, dlse, *params, cu))
+    opcheck(bwd, (q, k, v, o.detach(), lse.detach(), do, None, *params, cu))
+
+
+def _finite_lse(fn):
+    # lse = -inf on rows that see nothing: map to 0 so finite differences stay defined
+    def wrapped(*args):
+        o, lse = fn(*args)
+        return o, torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return wrapped
+
+
+@pytest.mark.parametrize("B,T,G,lengths", [(1, 37, 1, None), (2, 29, 2, None), (1, 40, 4, (17, 23))])
+@pytest.mark.parametrize("op", ["compressed_attention", "selection_attention",
+                                "sliding_window_attention"])
+def test_gradcheck(op, B, T, G, lengths):
+    args = _args(op, B, T, G, lengths, torch.float64)
+    fn = _finite_lse(getattr(torch.ops.nsa, op))
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
+
+
+def test_select_blocks_is_not_differentiable():
+    q, k_cmp, lse, *rest = _args("select_blocks", 1, 45, 2, None, torch.float64)
+    idx = torch.ops.nsa.select_blocks(q, k_cmp, lse.requires_grad_(), *rest)
+    assert idx.dtype == torch.int32 and not idx.requires_grad

@@ -1,0 +1,196 @@
+"""Spec semantics: Eq.9 / Eq.10 on hand-computed cases, top-n rules, causality, small-T
+equivalence with full causal attention, varlen == per-sequence, and the reference's own backward."""
+import pytest
+import torch
+
+import nsa_ops
+from nsa_ops import reference as R
+from helpers import SMALL, TOL, compressed, cu_seqlens, gates, qkv, selection_for
+
+
+# ---- Eq.9 -----------------------------------------------------------------------------------
+
+def test_eq9_overlap_paper_geometry():
+    # l=32, d=16, l'=64: block i covers [16i, 16i+32)
+    m = R.overlap_matrix(torch.arange(6), 32, 16, 64, 2)
+    expected = torch.tensor([[1.0, 0.0],   # [0,32)   inside sel block 0
+                             [1.0, 0.0],   # [16,48)
+                             [1.0, 0.0],   # [32,64)
+                             [0.5, 0.5],   # [48,80)  straddles: 16 tokens each side
+                             [0.0, 1.0],   # [64,96)
+                             [0.0, 1.0]])  # [80,112)
+    torch.testing.assert_close(m, expected)
+
+
+def test_eq9_overlap_equal_blocks_is_identity():
+    m = R.overlap_matrix(torch.arange(4), 16, 16, 16, 4)
+    torch.testing.assert_close(m, torch.eye(4))
+
+
+def test_eq9_overlap_long_cmp_block():
+    # l=32, d=8, l'=16: block 1 covers [8,40) -> 8/32 of sel 0, 16/32 of sel 1, 8/32 of sel 2
+    m = R.overlap_matrix(torch.tensor([1]), 32, 8, 16, 3)
+    torch.testing.assert_close(m, torch.tensor([[0.25, 0.5, 0.25]]))
+
+
+def test_eq9_eq10_block_scores_hand_case():
+    # T=4 queries, l=d=2, l'=4: compressed blocks [0,2), [2,4); one sel block. Two query heads in
+    # one group with k_cmp chosen so p_cmp is known in closed form at t=3 (both blocks visible).
+    q = torch.zeros(1, 4, 2, 1, dtype=torch.float64)
+    q[0, 3, 0, 0], q[0, 3, 1, 0] = 1.0, -1.0
+    k_cmp = torch.tensor([[0.0], [float(torch.log(torch.tensor(3.0)))]], dtype=torch.float64)
+    k_cmp = k_cmp.view(1, 2, 1, 1)
+    _, lse = R.compressed_attention(q, k_cmp, k_cmp, 2, 2, 1.0)
+    s = R.block_scores(q, k_cmp, lse, 2, 2, 4, 1.0)  # [1, 4, 1, 1]
+    # head 0: p = (1/4, 3/4); head 1: p = (3/4, 1/4). Both blocks lie in sel block 0 with weight
+    # 2/2 each, so p_slc = 1 per head and the group sum is 2.
+    assert s[0, 3, 0, 0].item() == pytest.approx(2.0)
+    # t=1 sees block 0 only: p = 1 per head -> score 2; t=0 sees nothing -> 0
+    assert s[0, 1, 0, 0].item() == pytest.approx(2.0)
+    assert s[0, 0, 0, 0].item() == 0.0
+
+
+def test_eq10_sums_over_group_heads():
+    # Two heads of one group prefer different sel blocks; the group sum decides for both.
+    # l=d=l'=2, T=8 -> 4 compressed blocks, 4 sel blocks, query t=7 sees all 4.
+    q = torch.zeros(1, 8, 2, 2, dtype=torch.float64)
+    q[0, 7, 0] = torch.tensor([4.0, 0.0])  # head 0 likes k_cmp dir e0
+    q[0, 7, 1] = torch.tensor([0.0, 3.0])  # head 1 likes e1, less sharply
+    k_cmp = torch.zeros(1, 4, 1, 2, dtype=torch.float64)
+    k_cmp[0, 1, 0] = torch.tensor([1.0, 0.0])
+    k_cmp[0, 2, 0] = torch.tensor([0.0, 1.0])
+    _, lse = R.compressed_attention(q, k_cmp, k_cmp, 2, 2, 1.0)
+    s = R.block_scores(q, k_cmp, lse, 2, 2, 2, 1.0)[0, 7, 0]
+    e4, e3 = torch.exp(torch.tensor(4.0, dtype=torch.float64)), torch.exp(torch.tensor(3.0, dtype=torch.float64))
+    p0 = torch.tensor([1, e4, 1, 1], dtype=torch.float64) / (3 + e4)
+    p1 = torch.tensor([1, 1, e3, 1], dtype=torch.float64) / (3 + e3)
+    torch.testing.assert_close(s, p0 + p1)
+
+
+# ---- top-n ----------------------------------------------------------------------------------
+
+def test_topn_forced_ties_and_padding():
+    # t=200, l'=32: blocks 0..6 valid (j*32 <= 200), local blocks 6 and 5, block 0 forced.
+    score = torch.tensor([0.0, 0.3, 0.3, 0.1, 0.3, 0.0, 0.0, 9.0])  # block 7 invalid (224 > 200)
+    out = R.topn_blocks(score.view(1, 1, 1, -1), torch.tensor([200]), 32, 5)
+    # forced {0, 5, 6}; then 0.3-ties go to the lower indices 1, 2 (4 loses the tie)
+    assert out.flatten().tolist() == [0, 1, 2, 5, 6]
+
+
+def test_topn_early_tokens_pad_with_minus_one():
+    score = torch.rand(1, 3, 1, 4)
+    out = R.topn_blocks(score, torch.tensor([0, 20, 40]), 16, 4)
+    assert out[0, 0, 0].tolist() == [0, -1, -1, -1]        # t=0: only block 0
+    assert out[0, 1, 0].tolist() == [0, 1, -1, -1]         # t=20: blocks 0 (forced) and 1 (local)
+    assert out[0, 2, 0].tolist() == [0, 1, 2, -1]          # t=40: three valid blocks
+
+
+def test_select_blocks_output_contract():
+    q, k, v = qkv(2, 150, 8, 2, 16, 16, torch.float64, seed=3)
+    geo = dict(block_len=16, block_stride=8, sel_block=16, num_sel=5)
+    idx = selection_for(q, k, v, geo)
+    T = 150
+    pos = torch.arange(T)
+    valid = idx >= 0
+    # no duplicates, ascending, -1 last, causal, forced blocks present
+    srt = torch.where(valid, idx, 10**6)
+    assert torch.equal(srt, srt.sort(-1).values)
+    assert bool((valid[..., 1:] <= valid[..., :-1]).all())
+    assert bool(((idx * 16 <= pos.view(1, T, 1, 1)) | ~valid).all())
+    cur = (pos // 16).view(1, T, 1, 1)
+    for forced in (torch.zeros_like(cur), cur, (cur - 1).clamp(min=0)):
+        assert bool((idx == forced).any(-1).all())
+    n_valid = valid.sum(-1)
+    assert torch.equal(n_valid, torch.minimum(pos // 16 + 1, torch.tensor(5)).view(1, T, 1).expand_as(n_valid))
+
+
+# ---- equivalences ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("B,T,G", [(1, 40, 1), (2, 63, 4)])
+def test_small_t_selection_and_window_equal_full_causal(B, T, G):
+    q, k, v = qkv(B, T, 2 * G, 2, 16, 8, torch.float64, seed=T)
+    scale = 16 ** -0.5
+    nblk = -(-T // 16)
+    geo = dict(block_len=16, block_stride=8, sel_block=16, num_sel=max(3, nblk))
+    full, full_lse = R.full_causal_attention(q, k, v)
+    idx = selection_for(q, k, v, geo)
+    o_sel, lse_sel = torch.ops.nsa.selection_attention(q, k, v, idx, 16, scale)
+    o_win, lse_win = torch.ops.nsa.sliding_window_attention(q, k, v, T, scale)
+    for o, lse in ((o_sel, lse_sel), (o_win, lse_win)):
+        torch.testing.assert_close(o, full)
+        torch.testing.assert_close(lse, full_lse)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(G, 2).transpose(1, 2),
+        v.repeat_interleave(G, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(full, ref)
+
+
+def test_varlen_equals_per_sequence():
+    lengths = (37, 5, 60)
+    q, k, v = qkv(1, sum(lengths), 4, 2, 16, 8, torch.float64, seed=7)
+    g = gates(1, sum(lengths), 4, torch.float64)
+    cu = cu_seqlens(lengths)
+    packed = nsa_ops.nsa_attention(q, k, v, *g, cu_seqlens=cu, **SMALL, window=20)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        alone = nsa_ops.nsa_attention(q[:, sl], k[:, sl], v[:, sl], *(x[:, sl] for x in g),
+                                      **SMALL, window=20)
+        torch.testing.assert_close(packed[:, sl], alone)
+        start += n
+
+
+# ---- causality ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cut", [17, 40, 64])
+def test_future_tokens_change_nothing_earlier(cut):
+    B, T = 2, 90
+    q, k, v = qkv(B, T, 4, 2, 16, 8, torch.float64, seed=11)
+    g = gates(B, T, 4, torch.float64)
+    cfg = dict(SMALL, window=24)
+    base = nsa_ops.nsa_attention(q, k, v, *g, **cfg)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[:, cut + 1:] = torch.randn_like(t[:, cut + 1:]) * 3
+    g2 = [x.clone() for x in g]
+    for x in g2:
+        x[:, cut + 1:] = torch.rand_like(x[:, cut + 1:])
+    moved = nsa_ops.nsa_attention(q2, k2, v2, *g2, **cfg)
+    torch.testing.assert_close(moved[:, :cut + 1], base[:, :cut + 1], atol=0, rtol=0)
+    assert not torch.allclose(moved[:, cut + 1:], base[:, cut + 1:])
+
+
+def test_no_visible_block_gives_zero_and_minus_inf():
+    q, k, v = qkv(1, 40, 2, 1, 16, 8)
+    k_cmp, v_cmp = compressed(k, v, SMALL)
+    o, lse = torch.ops.nsa.compressed_attention(q, k_cmp, v_cmp, 16, 8, 0.25)
+    assert torch.equal(o[:, :15], torch.zeros_like(o[:, :15]))
+    assert bool(torch.isneginf(lse[:, :15]).all()) and bool(torch.isfinite(lse[:, 15:]).all())
+    assert not bool(torch.isnan(o).any())
+
+
+# ---- the functional API ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_nsa_attention_matches_reference_and_backprops(dtype):
+    q, k, v = qkv(2, 77, 8, 2, 32, 16, dtype, seed=5, requires_grad=True)
+    g = gates(2, 77, 8, dtype)
+    cfg = dict(SMALL, window=30)
+    o = nsa_ops.nsa_attention(q, k, v, *g, **cfg)
+    ref = R.nsa(q.detach(), k.detach(), v.detach(), *g, **cfg)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(o, ref, atol=atol, rtol=rtol)
+    o.backward(torch.randn_like(o))
+    for t in (q, k, v):
+        assert t.grad is not None and bool(torch.isfinite(t.grad).all()) and t.grad.abs().sum() > 0
+
+
+def test_phi_mlp_starts_as_mean_and_learns():
+    q, k, v = qkv(1, 64, 4, 2, 16, 16, seed=9)
+    g = gates(1, 64, 4)
+    phi = (nsa_ops.PhiMLP(16, 16), nsa_ops.PhiMLP(16, 16))
+    o_mlp = nsa_ops.nsa_attention(q, k, v, *g, phi=phi, **SMALL, window=16)
+    o_mean = nsa_ops.nsa_attention(q, k, v, *g, **SMALL, window=16)
+    torch.testing.assert_close(o_mlp, o_mean)
+    o_mlp.sum().backward()
+    assert phi[0].fc2.weight.grad.abs().sum() > 0
