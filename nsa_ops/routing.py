@@ -103,8 +103,14 @@ def _importable(module: str) -> Refusal:
 
 
 def _has_aten_fa2(x: Inputs) -> Optional[str]:
-    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
-        return "this torch build has no aten._flash_attention_forward"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch build has no bundled FlashAttention-2 (USE_FLASH_ATTENTION off)"
+    return None
+
+
+def _head_dim_multiple_of_8(x: Inputs) -> Optional[str]:
+    if x.head_dim_qk % 8:
+        return f"FlashAttention-2 needs head dims divisible by 8, got {x.head_dim_qk}"
     return None
 
 
@@ -113,7 +119,8 @@ def _always(x: Inputs) -> Optional[str]:
 
 
 _triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256))
-_fa2_common = _first(_needs_cuda, _needs_sm80, _half_only, _equal_head_dims, _head_dims_upto(256))
+_fa2_common = _first(_needs_cuda, _needs_sm80, _half_only, _equal_head_dims, _head_dims_upto(256),
+                     _head_dim_multiple_of_8)
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,7 @@ TABLE: tuple[Route, ...] = (
     Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,
           _first(_importable("flash_attn"), _fa2_common), (("backend", "flash_attn"),)),
     Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,
-          _first(_has_aten_fa2, _fa2_common), (("backend", "aten_fa2"),)),
+          _first(_fa2_common, _has_aten_fa2), (("backend", "aten_fa2"),)),
     Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
           (("backend", "triton"),)),
     Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",

@@ -1,0 +1,68 @@
+"""The routing table on CPU, with faked devices and SM versions."""
+import pytest
+import torch
+
+from nsa_ops import routing
+from nsa_ops.routing import Inputs
+
+BF16 = torch.bfloat16
+
+
+def chosen(x):
+    return {op: routing.choose(op, x).impl for op in routing.OPS}
+
+
+def test_cpu_runs_reference_with_reasons():
+    x = Inputs("cpu", None, torch.float32, 64, 64, 1024)
+    assert set(chosen(x).values()) == {"reference"}
+    for op in routing.OPS:
+        refused = [(impl, why) for impl, why in routing.explain(op, x) if why]
+        assert refused and all(isinstance(why, str) and why for _, why in refused)
+
+
+def test_hopper_bf16_runs_triton_kernels(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    x = Inputs("cuda", (9, 0), BF16, 128, 128, 32768)
+    c = chosen(x)
+    assert c["selection_attention"] == c["compressed_attention"] == c["select_blocks"] == "triton"
+    assert c["sliding_window_attention"] in ("flash_attn", "aten_fa2")
+
+
+def test_unequal_head_dims_route_window_to_triton(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    x = Inputs("cuda", (9, 0), BF16, 192, 128, 8192)
+    assert routing.choose("sliding_window_attention", x).impl == "triton"
+    reasons = dict(routing.explain("sliding_window_attention", x))
+    assert "Dk == Dv" in reasons["aten_fa2"]
+
+
+@pytest.mark.parametrize("x,why", [
+    (Inputs("cuda", (7, 5), torch.float16, 64, 64, 4096), "sm80+"),
+    (Inputs("cuda", (9, 0), torch.float64, 64, 64, 4096), "float64"),
+    (Inputs("cuda", (9, 0), BF16, 512, 512, 4096), "head dims must be <= 256"),
+])
+def test_refusals_fall_back_to_reference(x, why):
+    assert set(chosen(x).values()) == {"reference"}
+    assert why in dict(routing.explain("selection_attention", x))["triton"]
+
+
+def test_env_forces_an_impl(monkeypatch):
+    x = Inputs("cuda", (9, 0), BF16, 128, 128, 4096)
+    monkeypatch.setenv("NSA_OPS_FORCE_IMPL_SELECTION_ATTENTION", "reference")
+    assert routing.choose("selection_attention", x).impl == "reference"
+    assert routing.choose("compressed_attention", x).impl == "triton"
+    monkeypatch.setenv("NSA_OPS_FORCE_IMPL", "nonexistent")
+    with pytest.raises(ValueError, match="no implementation of nsa.compressed_attention"):
+        routing.choose("compressed_attention", x)
+
+
+def test_describe_prints_every_op():
+    text = routing.describe()
+    for op in routing.OPS:
+        assert op in text
+    assert "refused:" in text
+
+
+def test_unknown_op():
+    with pytest.raises(ValueError, match="op must be one of"):
+        routing.candidates("full_attention")
