@@ -1,0 +1,416 @@
+"""Selected-block attention (NSA-SPEC "Selected attention") as Triton kernels, forward and backward.
+
+Query t attends the tokens of its selected blocks (block_idx [B,T,H,n], local to the token's
+sequence, valid slots first, -1 last, no duplicates), clamped causally. The oracle is
+`nsa_ops.reference.selection_attention` / `selection_attention_backward`.
+
+Forward and dq are group-centric: one program per (query token, batch * KV head) holds the G query
+heads of the group as one [GP, D] tile (GP >= 16 so tl.dot has M >= 16) and walks the token's
+selected blocks, so each K/V block is read once per group rather than once per query head.
+
+dk/dv are key-centric: each K/V block must sum over every query that selected it, and block 0 and
+the local blocks are selected by (nearly) every query. Atomics from the per-token programs would add
+n * l' * (Dk + Dv) values per (token, KV head) with heavy contention on block 0, so instead an
+inverse index (built with torch.sort / searchsorted on device, no host sync) lists, per
+(batch, KV head, block), the queries that picked it, cut into chunks of about ROWS_PER_CHUNK query
+rows. One program per (chunk, key tile) recomputes P and dS for its rows with [BM, BN] tiles and
+atomically adds its partial dk/dv into fp32 buffers; only blocks spanning several chunks contend.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nsa_ops.reference import token_layout
+
+LOG2E = tl.constexpr(math.log2(math.e))
+LN2 = tl.constexpr(math.log(2.0))
+
+# Query rows (tokens x heads of a group) per dk/dv program: large enough that the chunks of a block
+# selected by every query rarely contend on the atomics, small enough to keep the grid balanced.
+ROWS_PER_CHUNK = 1024
+
+
+# --------------------------------------------------------------------------------------------
+# Shared device helpers
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _load_tile(ptr, row_off, row_mask, D: tl.constexpr, DP: tl.constexpr):
+    """[rows, DP] tile, row i at ptr + row_off[i]; zero outside row_mask and in columns >= D."""
+    cols = tl.arange(0, DP)
+    mask = row_mask[:, None] & (cols[None, :] < D)
+    return tl.load(ptr + row_off[:, None] + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(ptr, row_off, row_mask, x, D: tl.constexpr, DP: tl.constexpr):
+    cols = tl.arange(0, DP)
+    mask = row_mask[:, None] & (cols[None, :] < D)
+    tl.store(ptr + row_off[:, None] + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _lse_log2(lse):
+    """lse in base 2; rows that saw nothing (-inf) get +inf so exp2(s - lse) is 0, never NaN."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def _token_blocks(bidx, seq_start, b, t, h, T, N, H: tl.constexpr, NP: tl.constexpr,
+                  IS_VARLEN: tl.constexpr):
+    """The token's block_idx row, its number of valid slots and its sequence's first token."""
+    row = bidx + ((b * T + t) * H + h) * N
+    slots = tl.arange(0, NP)
+    blk = tl.load(row + slots, mask=slots < N, other=-1)
+    n_valid = tl.sum((blk >= 0).to(tl.int32), axis=0)
+    if IS_VARLEN:
+        start = tl.load(seq_start + t).to(tl.int64)
+    else:
+        start = tl.zeros([], tl.int64)
+    return row, n_valid, start
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
+                sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+                T, N, qk_scale,
+                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
+                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
+                PREC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    g = tl.arange(0, GP)
+    gmask = g < G
+    heads = h * G + g
+    qt = _load_tile(q, b * sq_b + t * sq_t + heads * sq_h, gmask, DK, DKP)
+    row, n_valid, start = _token_blocks(bidx, seq_start, b, t, h, T, N, H, NP, IS_VARLEN)
+
+    # finite start for the running max: fully masked tiles then give exp2(-inf - m) = 0, no NaN
+    m = tl.full([GP], -1e30, tl.float32)
+    l = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DVP], tl.float32)
+    NSUB: tl.constexpr = SEL // BN
+    kcols = tl.arange(0, DKP)
+    vcols = tl.arange(0, DVP)
+    # one flat loop over (selected block, key tile); loads are written out in the loop because
+    # device-function calls cost ~10 ops each under TRITON_INTERPRET (the CPU tests)
+    for it in range(n_valid * NSUB):
+        toks = start + tl.load(row + it // NSUB) * SEL + (it % NSUB) * BN + tl.arange(0, BN)
+        kmask = toks <= t
+        kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
+                     mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
+        vt = tl.load(v + (b * sv_b + toks * sv_t + h * sv_h)[:, None] + vcols[None, :],
+                     mask=kmask[:, None] & (vcols[None, :] < DV), other=0.0)
+        s = tl.dot(qt, tl.trans(kt), input_precision=PREC) * qk_scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+        m = m_new
+
+    seen = l > 0
+    l_safe = tl.where(seen, l, 1.0)
+    _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, acc / l_safe[:, None], DV, DVP)
+    lse_row = tl.where(seen, (m + tl.log2(l_safe)) * LN2, float("-inf"))
+    tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
+
+
+@triton.jit
+def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
+               sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+               sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h,
+               T, N, scale, qk_scale,
+               H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
+               DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
+               BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
+               HAS_DLSE: tl.constexpr, PREC: tl.constexpr):
+    """dq of one (token, group); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass."""
+    t = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    g = tl.arange(0, GP)
+    gmask = g < G
+    heads = h * G + g
+    qt = _load_tile(q, b * sq_b + t * sq_t + heads * sq_h, gmask, DK, DKP)
+    dot_ = _load_tile(do, b * sdo_b + t * sdo_t + heads * sdo_h, gmask, DV, DVP)
+    ot = _load_tile(o, b * so_b + t * so_t + heads * so_h, gmask, DV, DVP)
+    stat = (b * T + t) * (H * G) + heads
+    dlt = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        dlt -= tl.load(dlse + stat, mask=gmask, other=0.0)
+    tl.store(delta + stat, dlt, mask=gmask)
+    lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
+    row, n_valid, start = _token_blocks(bidx, seq_start, b, t, h, T, N, H, NP, IS_VARLEN)
+
+    acc = tl.zeros([GP, DKP], tl.float32)
+    NSUB: tl.constexpr = SEL // BN
+    kcols = tl.arange(0, DKP)
+    vcols = tl.arange(0, DVP)
+    for it in range(n_valid * NSUB):
+        toks = start + tl.load(row + it // NSUB) * SEL + (it % NSUB) * BN + tl.arange(0, BN)
+        kmask = toks <= t
+        kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
+                     mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
+        vt = tl.load(v + (b * sv_b + toks * sv_t + h * sv_h)[:, None] + vcols[None, :],
+                     mask=kmask[:, None] & (vcols[None, :] < DV), other=0.0)
+        p = tl.exp2(tl.dot(qt, tl.trans(kt), input_precision=PREC) * qk_scale - lse2[:, None])
+        p = tl.where(kmask[None, :], p, 0.0)
+        dp = tl.dot(dot_, tl.trans(vt), input_precision=PREC)
+        ds = p * (dp - dlt[:, None])
+        acc += tl.dot(ds.to(kt.dtype), kt, input_precision=PREC)
+    _store_tile(dq, b * sdq_b + t * sdq_t + heads * sdq_h, gmask, acc * scale, DK, DKP)
+
+
+@triton.jit
+def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
+                 sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
+                 T, scale, qk_scale,
+                 H: tl.constexpr, G: tl.constexpr, GP2: tl.constexpr, DK: tl.constexpr,
+                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BN: tl.constexpr,
+                 BM: tl.constexpr, PREC: tl.constexpr):
+    """Partial dk/dv of one key tile from one chunk of the queries that selected its block.
+
+    chunks[pid] = (first entry, end entry, b * H + h, first token of the block); entries
+    ent_tok[e0:e1] are the query tokens, ascending. Rows of a [BM, *] tile are (query, head) pairs.
+    """
+    pid = tl.program_id(0)
+    e0 = tl.load(chunks + pid * 4)
+    e1 = tl.load(chunks + pid * 4 + 1)
+    if e1 > e0:
+        bh = tl.load(chunks + pid * 4 + 2)
+        b = (bh // H).to(tl.int64)
+        h = bh % H
+        # keys past the chunk's last query get nothing from it (and stay inside the sequence)
+        t_last = tl.load(ent_tok + e1 - 1)
+        toks = (tl.load(chunks + pid * 4 + 3).to(tl.int64) + tl.program_id(1) * BN
+                + tl.arange(0, BN))
+        kmask = toks <= t_last
+        kt = _load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
+        vt = _load_tile(v, b * sv_b + toks * sv_t + h * sv_h, kmask, DV, DVP)
+
+        QPT: tl.constexpr = BM // GP2  # queries per tile
+        kcols = tl.arange(0, DKP)
+        vcols = tl.arange(0, DVP)
+        r = tl.arange(0, BM)
+        g = r % GP2
+        heads = h * G + g
+        dk_acc = tl.zeros([BN, DKP], tl.float32)
+        dv_acc = tl.zeros([BN, DVP], tl.float32)
+        # transposed form (scores as [BN, BM]): P^T and dS^T feed the dk/dv dots directly
+        for e in range(e0, e1, QPT):
+            ent = e + r // GP2
+            rmask = (ent < e1) & (g < G)
+            tq = tl.load(ent_tok + ent, mask=rmask, other=0).to(tl.int64)
+            qT = tl.load(q + (b * sq_b + tq * sq_t + heads * sq_h)[None, :] + kcols[:, None],
+                         mask=rmask[None, :] & (kcols[:, None] < DK), other=0.0)
+            dot_ = tl.load(do + (b * sdo_b + tq * sdo_t + heads * sdo_h)[:, None] + vcols[None, :],
+                           mask=rmask[:, None] & (vcols[None, :] < DV), other=0.0)
+            stat = (b * T + tq) * (H * G) + heads
+            lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
+            dlt = tl.load(delta + stat, mask=rmask, other=0.0)
+
+            pT = tl.exp2(tl.dot(kt, qT, input_precision=PREC) * qk_scale - lse2[None, :])
+            pT = tl.where(rmask[None, :] & (toks[:, None] <= tq[None, :]), pT, 0.0)
+            dv_acc += tl.dot(pT.to(dot_.dtype), dot_, input_precision=PREC)
+            dpT = tl.dot(vt, tl.trans(dot_), input_precision=PREC)
+            dsT = pT * (dpT - dlt[None, :])
+            dk_acc += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC)
+
+        out = (b * T + toks) * H + h
+        tl.atomic_add(dk + out[:, None] * DK + kcols[None, :], dk_acc * scale,
+                      mask=kmask[:, None] & (kcols[None, :] < DK), sem="relaxed")
+        tl.atomic_add(dv + out[:, None] * DV + vcols[None, :], dv_acc,
+                      mask=kmask[:, None] & (vcols[None, :] < DV), sem="relaxed")
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: shapes, configs, the inverse index
+# --------------------------------------------------------------------------------------------
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(x))
+
+
+def _key_tile_size(sel_block: int, dkp: int, dvp: int) -> int:
+    """Keys per forward / dq tile: 64, halved for very wide heads to bound the K/V tiles."""
+    return min(sel_block, 64 if dkp + dvp <= 384 else 32)
+
+
+def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: int
+                 ) -> tuple[int, int, int]:
+    """(keys per tile BN, query rows per tile BM, num_warps) of the dk/dv kernel.
+
+    Sized from ptxas reports for sm_90 (no spills at D=128 and Dk/Dv=192/128 in 16-bit): the fp32
+    [BN, D] dk and dv accumulators live in registers, so wide heads and fp32 inputs halve BN.
+    """
+    narrow = dkp + dvp <= 256 and dtype != torch.float32
+    bn = min(sel_block, 64 if narrow else 32)
+    bm = max(64 if dtype != torch.float32 else 32, gp2)
+    return bn, bm, 8 if dtype != torch.float32 else 4
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs keep fp32 accuracy; 16-bit inputs ignore the setting
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x with unit stride on the last dim; the kernels take the three leading strides."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _strides(x: Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _seq_start(T: int, cu_seqlens: Optional[Tensor], device) -> Optional[Tensor]:
+    """First packed token of every token's sequence (int32 [T]), None when not varlen."""
+    if cu_seqlens is None:
+        return None
+    _, pos = token_layout(T, cu_seqlens, device)
+    return (torch.arange(T, device=device) - pos).to(torch.int32)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
+           cu_seqlens: Optional[Tensor]) -> None:
+    B, T, HQ, _ = q.shape
+    H = k.shape[2]
+    assert HQ % H == 0, "query heads must be a multiple of KV heads"
+    assert q.dtype == k.dtype == v.dtype, "q, k and v must share a dtype"
+    assert sel_block % 16 == 0, "sel_block must be a multiple of 16"
+    assert block_idx.shape[:3] == (B, T, H), "block_idx must be [B, T, H, n]"
+    assert cu_seqlens is None or B == 1, "varlen input packs sequences into B == 1"
+
+
+def _key_chunks(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor],
+                queries_per_chunk: int) -> tuple[Tensor, Tensor]:
+    """Inverse of block_idx, chunked: which queries selected each (batch, KV head, block).
+
+    Returns ent_tok int32 [E] (query token of each valid (b, t, h, slot) entry, grouped by block,
+    ascending inside a block) and chunks int32 [P, 4] = (first entry, end entry, b * H + h, first
+    token of the block). P is a bound known from shapes alone; chunks past the real count are
+    empty (end == first). Everything stays on device: no host sync, CUDA-graph capturable.
+    """
+    B, T, H, n = block_idx.shape
+    device = block_idx.device
+    _, pos = token_layout(T, cu_seqlens, device)
+    idx = block_idx.to(torch.int64)
+    valid = (idx >= 0) & (idx * sel_block <= pos[None, :, None, None])
+    # a block is named by (b, h, its first packed token): unique across sequences, < B*H*T
+    first_tok = (torch.arange(T, device=device) - pos)[None, :, None, None] + idx * sel_block
+    bh = (torch.arange(B, device=device)[:, None] * H + torch.arange(H, device=device))
+    num_keys = B * H * T
+    key_dtype = torch.int32 if num_keys < 2 ** 31 - 1 else torch.int64
+    key = torch.where(valid, bh[:, None, :, None] * T + first_tok, num_keys).to(key_dtype)
+    key, order = torch.sort(key.flatten(), stable=True)  # invalid entries (num_keys) go last
+    ent_tok = ((order // (H * n)) % T).to(torch.int32)
+
+    bounds = torch.searchsorted(key, torch.arange(num_keys + 1, device=device, dtype=key_dtype))
+    lo, hi = bounds[:-1], bounds[1:]
+    nchunk = (hi - lo + queries_per_chunk - 1) // queries_per_chunk
+    chunk_end = torch.cumsum(nchunk, 0)
+    # sum of ceil(count / C) <= E / C + (number of distinct blocks); blocks per (b, h) are at most
+    # T // l' + (number of sequences)
+    num_seq = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    E = idx.numel()
+    P = max(1, -(-E // queries_per_chunk) + min(E, B * H * (T // sel_block + num_seq)))
+    pid = torch.arange(P, device=device)
+    kid = torch.searchsorted(chunk_end, pid, right=True)
+    real = kid < num_keys
+    kid = kid.clamp(max=num_keys - 1)
+    e0 = lo[kid] + (pid - chunk_end[kid] + nchunk[kid]) * queries_per_chunk
+    e1 = torch.minimum(e0 + queries_per_chunk, hi[kid])
+    e0, e1 = torch.where(real, e0, 0), torch.where(real, e1, 0)
+    chunks = torch.stack([e0, e1, kid // T, kid % T], dim=1).to(torch.int32)
+    return ent_tok, chunks
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
+                            scale: float, cu_seqlens: Optional[Tensor] = None
+                            ) -> tuple[Tensor, Tensor]:
+    """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32; rows that see nothing: o = 0, lse = -inf."""
+    _check(q, k, v, block_idx, sel_block, cu_seqlens)
+    B, T, HQ, Dk = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    n = block_idx.shape[3]
+    o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse.fill_(float("-inf"))
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    bidx = block_idx.to(torch.int32).contiguous()
+    seq_start = _seq_start(T, cu_seqlens, q.device)
+    dkp, dvp = _pow2(Dk), _pow2(Dv)
+    _fwd_kernel[(T, B * H)](
+        q, k, v, o, lse, bidx, seq_start if seq_start is not None else bidx,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        T, n, scale * math.log2(math.e),
+        H=H, G=HQ // H, GP=_pow2(HQ // H), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
+        BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=seq_start is not None,
+        PREC=_precision(q.dtype), num_warps=4, num_stages=2)
+    return o, lse
+
+
+def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                            dlse: Optional[Tensor], block_idx: Tensor, sel_block: int,
+                            scale: float, cu_seqlens: Optional[Tensor] = None
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None."""
+    _check(q, k, v, block_idx, sel_block, cu_seqlens)
+    B, T, HQ, Dk = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    G, n = HQ // H, block_idx.shape[3]
+    dq = torch.empty(B, T, HQ, Dk, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(B, T, H, Dk, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, T, H, Dv, dtype=torch.float32, device=q.device)
+    if dq.numel() == 0 or n == 0:
+        return dq.zero_(), dk.to(k.dtype), dv.to(v.dtype)
+    # dO and O meet q's dtype in the dots (an fp32 upstream gradient is rounded like o was)
+    q, k, v, o, do = _rows(q), _rows(k), _rows(v), _rows(o.to(q.dtype)), _rows(do.to(q.dtype))
+    lse = lse.to(torch.float32).contiguous()
+    dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
+    bidx = block_idx.to(torch.int32).contiguous()
+    seq_start = _seq_start(T, cu_seqlens, q.device)
+    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    dkp, dvp = _pow2(Dk), _pow2(Dv)
+    prec = _precision(q.dtype)
+    _dq_kernel[(T, B * H)](
+        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, bidx,
+        seq_start if seq_start is not None else bidx,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
+        T, n, scale, scale * math.log2(math.e),
+        H=H, G=G, GP=_pow2(G), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
+        BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=seq_start is not None,
+        HAS_DLSE=dlse is not None, PREC=prec, num_warps=4, num_stages=2)
+
+    gp2 = _pow2(G, 1)
+    bn, bm, warps = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
+    queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
+    ent_tok, chunks = _key_chunks(bidx, sel_block, cu_seqlens, queries_per_chunk)
+    _dkdv_kernel[(chunks.shape[0], sel_block // bn)](
+        q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        T, scale, scale * math.log2(math.e),
+        H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, BN=bn, BM=bm, PREC=prec,
+        num_warps=warps, num_stages=2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)

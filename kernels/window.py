@@ -1,0 +1,611 @@
+"""Sliding-window attention (NSA window branch): forward and backward over three backends.
+
+Query t attends keys (t - w, t] of its own sequence. Layouts: q [B,T,HQ,Dk], k [B,T,H,Dk],
+v [B,T,H,Dv], G = HQ // H; o [B,T,HQ,Dv] in q's dtype, lse float32 [B,T,HQ] (natural log).
+Varlen: B == 1 and cu_seqlens int32 [N+1]; windows never cross sequences.
+
+Backends, in preference order (`backend=None` takes the first that can serve the inputs):
+  flash_attn  the flash-attn (>= 2.7) package: FA-2 with window_size=(w-1, 0), causal.
+  aten_fa2    the FA-2 kernels bundled with torch (aten::_flash_attention_forward/backward).
+  triton      band-masked flash attention below; serves fp32, Dk != Dv and any G.
+`backend_refusal` is the single capability check (None, or the reason a backend refuses);
+`select_backend` names the backend a call will use.
+
+The FA-2 backends take no lse gradient, so a given dlse costs them a second backward pass
+(`_fa_backward`). Their varlen calls pass T as max_seqlen (a valid upper bound: FA-2 skips tiles
+past each sequence's end), so no path reads cu_seqlens back to the host.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nsa_ops.reference import token_layout
+
+_LOG2E = math.log2(math.e)
+_LN2_C = tl.constexpr(math.log(2.0))  # constexpr: the only globals a kernel may read
+_LOG2E_C = tl.constexpr(_LOG2E)
+_FA_DTYPES = (torch.float16, torch.bfloat16)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+#
+# Programs are group-centric: one program owns one KV head and a tile of BLOCK_M "rows", row
+# r = token * G + g (query head kvh * G + g), so every K/V tile it loads serves all G query
+# heads of the group and G need not be a power of two. Key tiles outside the band of the row
+# tile are never visited. Scores are kept in the log2 domain (qk_scale = scale * log2 e).
+# Nested @jit helpers stay out of inner loops (the CPU interpreter pays milliseconds per nested
+# call); inside them K/V pointers advance by whole tiles.
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _rows(r0, kvh, T, G, BLOCK_M: tl.constexpr):
+    """Token, query head and validity of rows r0 .. r0 + BLOCK_M."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    ok = rows < T * G
+    tok = tl.where(ok, rows // G, 0)  # padding rows point at token 0 so their loads stay in bounds
+    return tok, kvh * G + rows % G, ok
+
+
+@triton.jit
+def _offsets(b, tok, head, stride_b, stride_t, stride_h, d):
+    """[len(tok), len(d)] element offsets of x[b, tok, head, d]; int64 for long sequences."""
+    row = tok.to(tl.int64) * stride_t + head * stride_h
+    return b.to(tl.int64) * stride_b + row[:, None] + d[None, :]
+
+
+@triton.jit
+def _key_span(r0, T, G, W, START, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) that rows r0 .. r0 + BLOCK_M can see, lo aligned down to BLOCK_N."""
+    tok_lo = r0 // G
+    tok_hi = (tl.minimum(r0 + BLOCK_M, T * G) - 1) // G
+    lo = tl.maximum(tok_lo - W + 1, tl.load(START + tok_lo))  # first visible key grows with t
+    return lo // BLOCK_N * BLOCK_N, tok_hi + 1
+
+
+@triton.jit
+def _row_span(n0, T, G, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows [lo, hi) whose windows can reach keys n0 .. n0 + BLOCK_N, lo aligned to BLOCK_M."""
+    tok_hi = tl.minimum(n0 + BLOCK_N - 1 + W - 1, T - 1)
+    return n0 * G // BLOCK_M * BLOCK_M, (tok_hi + 1) * G
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, START,
+                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
+                T, H, G, W, qk_scale,
+                DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    r0 = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1) // H
+    kvh = tl.program_id(1) % H
+    tok, head, ok = _rows(r0, kvh, T, G, BLOCK_M)
+    first = tl.maximum(tok - W + 1, tl.load(START + tok))  # row sees keys first .. tok
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + _offsets(b, tok, head, sqb, sqt, sqh, dk),
+                mask=ok[:, None] & (dk[None, :] < DK), other=0.0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    lo, hi = _key_span(r0, T, G, W, START, BLOCK_M, BLOCK_N)
+    n = lo + tl.arange(0, BLOCK_N)
+    k_ptrs = K + _offsets(b, n, kvh, skb, skt, skh, dk)
+    v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_ptrs, mask=(cols[:, None] < T) & (dk[None, :] < DK), other=0.0)
+        v = tl.load(v_ptrs, mask=(cols[:, None] < T) & (dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= tok[:, None])
+        s = tl.where(band, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # a row may see nothing in this tile yet: shift by 0 instead of -inf to avoid inf - inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+        k_ptrs += BLOCK_N * skt
+        v_ptrs += BLOCK_N * svt
+
+    l = tl.where(ok, l, 1.0)  # every real row sees itself, so l > 0 there
+    tl.store(O + _offsets(b, tok, head, sob, sot, soh, dv),
+             (acc / l[:, None]).to(O.dtype.element_ty), mask=ok[:, None] & (dv[None, :] < DV))
+    row = (b.to(tl.int64) * T + tok) * (H * G) + head
+    tl.store(LSE + row, (m + tl.log2(l)) * _LN2_C, mask=ok)
+
+
+@triton.jit
+def _delta_kernel(O, DO, DLSE, DELTA, R, DV: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse over R contiguous rows, so that dS = P * (dP - delta)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_DV)
+    ok = rows < R
+    offs = rows.to(tl.int64)[:, None] * DV + d[None, :]
+    mask = ok[:, None] & (d[None, :] < DV)
+    o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + rows, mask=ok, other=0.0)
+    tl.store(DELTA + rows, delta, mask=ok)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, DKP, DVP,
+                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
+                     sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
+                     T, H, G, W, qk_scale, scale,
+                     DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """dK, dV of one key tile, summed over all G query heads of its group (no atomics)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    b = tl.program_id(1) // H
+    kvh = tl.program_id(1) % H
+    cols = n0 + tl.arange(0, BLOCK_N)
+    dk_r = tl.arange(0, BLOCK_DK)
+    dv_r = tl.arange(0, BLOCK_DV)
+    k_mask = (cols[:, None] < T) & (dk_r[None, :] < DK)
+    v_mask = (cols[:, None] < T) & (dv_r[None, :] < DV)
+    k = tl.load(K + _offsets(b, cols, kvh, skb, skt, skh, dk_r), mask=k_mask, other=0.0)
+    v = tl.load(V + _offsets(b, cols, kvh, svb, svt, svh, dv_r), mask=v_mask, other=0.0)
+    q_base = Q + b.to(tl.int64) * sqb
+    do_base = DO + b.to(tl.int64) * sdob
+    row_base = b.to(tl.int64) * T * (H * G)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    lo, hi = _row_span(n0, T, G, W, BLOCK_M, BLOCK_N)
+    for r0 in range(lo, hi, BLOCK_M):
+        # rows map to (token, head) by // and % G, so their offsets are recomputed per tile
+        rows = r0 + tl.arange(0, BLOCK_M)
+        ok = rows < T * G
+        tok = tl.where(ok, rows // G, 0)
+        head = kvh * G + rows % G
+        first = tl.maximum(tok - W + 1, tl.load(START + tok))
+        q = tl.load(q_base + (tok.to(tl.int64) * sqt + head * sqh)[:, None] + dk_r[None, :],
+                    mask=ok[:, None] & (dk_r[None, :] < DK), other=0.0)
+        do = tl.load(do_base + (tok.to(tl.int64) * sdot + head * sdoh)[:, None] + dv_r[None, :],
+                     mask=ok[:, None] & (dv_r[None, :] < DV), other=0.0)
+        row = row_base + tok.to(tl.int64) * (H * G) + head
+        lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
+        delta = tl.load(DELTA + row, mask=ok, other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= tok[:, None])
+        p = tl.where(band, tl.exp2(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+
+    tl.store(DKP + _offsets(b, cols, kvh, sdkb, sdkt, sdkh, dk_r),
+             (dk * scale).to(DKP.dtype.element_ty), mask=k_mask)
+    tl.store(DVP + _offsets(b, cols, kvh, sdvb, sdvt, sdvh, dv_r),
+             dv.to(DVP.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, DQP,
+                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
+                   sdqb, sdqt, sdqh,
+                   T, H, G, W, qk_scale, scale,
+                   DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """dQ of one row tile (tokens x the G heads of one KV head)."""
+    r0 = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1) // H
+    kvh = tl.program_id(1) % H
+    tok, head, ok = _rows(r0, kvh, T, G, BLOCK_M)
+    first = tl.maximum(tok - W + 1, tl.load(START + tok))
+    dk_r = tl.arange(0, BLOCK_DK)
+    dv_r = tl.arange(0, BLOCK_DV)
+    q_mask = ok[:, None] & (dk_r[None, :] < DK)
+    q = tl.load(Q + _offsets(b, tok, head, sqb, sqt, sqh, dk_r), mask=q_mask, other=0.0)
+    do = tl.load(DO + _offsets(b, tok, head, sdob, sdot, sdoh, dv_r),
+                 mask=ok[:, None] & (dv_r[None, :] < DV), other=0.0)
+    row = (b.to(tl.int64) * T + tok) * (H * G) + head
+    lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
+    delta = tl.load(DELTA + row, mask=ok, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    lo, hi = _key_span(r0, T, G, W, START, BLOCK_M, BLOCK_N)
+    n = lo + tl.arange(0, BLOCK_N)
+    k_ptrs = K + _offsets(b, n, kvh, skb, skt, skh, dk_r)
+    v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv_r)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_ptrs, mask=(cols[:, None] < T) & (dk_r[None, :] < DK), other=0.0)
+        v = tl.load(v_ptrs, mask=(cols[:, None] < T) & (dv_r[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= tok[:, None])
+        p = tl.where(band, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        k_ptrs += BLOCK_N * skt
+        v_ptrs += BLOCK_N * svt
+
+    tl.store(DQP + _offsets(b, tok, head, sdqb, sdqt, sdqh, dk_r),
+             (dq * scale).to(DQP.dtype.element_ty), mask=q_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton launchers
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int  # rows (token, query head) per program / per inner step of the dK dV kernel
+    block_n: int  # keys per inner step / per program of the dK dV kernel
+    num_warps: int
+    num_stages: int
+
+
+# GPU tiles by the widest padded head row in bytes: (row bytes up to, forward, backward).
+# Starting points for H100-class parts, not tuned values.
+_GPU_TILES = (
+    (128, TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 2)),
+    (256, TileConfig(128, 64, 8, 2), TileConfig(64, 64, 8, 2)),
+    (512, TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 1)),
+    (math.inf, TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1)),
+)
+# The CPU interpreter's cost grows with the number of tiles; these still leave several tiles
+# (and skipped ones) in the small test shapes.
+_INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
+
+
+def _tile_config(backward: bool, row_bytes: int, on_gpu: bool) -> TileConfig:
+    if not on_gpu:
+        return _INTERPRETER_TILES
+    fwd, bwd = next((f, b) for limit, f, b in _GPU_TILES if row_bytes <= limit)
+    return bwd if backward else fwd
+
+
+def _kernel_meta(q: Tensor, dk: int, dv: int, backward: bool) -> dict:
+    block_dk = max(16, triton.next_power_of_2(dk))
+    block_dv = max(16, triton.next_power_of_2(dv))
+    cfg = _tile_config(backward, max(block_dk, block_dv) * q.element_size(), q.is_cuda)
+    # fp32 must not silently drop to tf32 on tensor cores; 16-bit inputs ignore the setting
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    return dict(DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, PRECISION=precision, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
+def _token_starts(T: int, cu_seqlens: Optional[Tensor], device) -> Tensor:
+    """First token of each token's sequence, int32 [T], computed on device."""
+    if cu_seqlens is None:
+        return torch.zeros(T, dtype=torch.int32, device=device)
+    _, pos = token_layout(T, cu_seqlens, device)
+    return (torch.arange(T, device=device) - pos).to(torch.int32)
+
+
+def _strides(*xs: Tensor) -> list[int]:
+    """(batch, token, head) strides of each [B,T,heads,D] tensor; D is unit-stride."""
+    return [s for x in xs for s in x.stride()[:3]]
+
+
+def _triton_fwd(q, k, v, window, scale, cu_seqlens):
+    B, T, HQ, Dk = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    meta = _kernel_meta(q, Dk, Dv, backward=False)
+    grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
+    _fwd_kernel[grid](q, k, v, o, lse, _token_starts(T, cu_seqlens, q.device),
+                      *_strides(q, k, v, o), T, H, HQ // H, min(window, T), scale * _LOG2E,
+                      **meta)
+    return o, lse
+
+
+def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
+    """rowsum(dO * O) - dlse, float32 [B,T,HQ]; o and do contiguous."""
+    B, T, HQ, Dv = o.shape
+    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=o.device)
+    rows = B * T * HQ
+    block_dv = max(16, triton.next_power_of_2(Dv))
+    block_r = max(16, 4096 // block_dv)  # ~4K elements per operand tile
+    dlse_arg = delta if dlse is None else dlse.to(torch.float32).contiguous()  # unread when absent
+    _delta_kernel[(triton.cdiv(rows, block_r),)](
+        o, do, dlse_arg, delta, rows, DV=Dv, BLOCK_R=block_r, BLOCK_DV=block_dv,
+        HAS_DLSE=dlse is not None)
+    return delta
+
+
+def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens):
+    B, T, HQ, Dk = q.shape
+    H, Dv = k.shape[2], v.shape[3]
+    G = HQ // H
+    do = do.contiguous()
+    delta = _delta(o.contiguous(), do, dlse)
+    lse = lse.to(torch.float32).contiguous()
+    starts = _token_starts(T, cu_seqlens, q.device)
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    meta = _kernel_meta(q, Dk, Dv, backward=True)
+    shared = (T, H, G, min(window, T), scale * _LOG2E, scale)
+    _bwd_dkdv_kernel[(triton.cdiv(T, meta["BLOCK_N"]), B * H)](
+        q, k, v, do, lse, delta, starts, dk, dv, *_strides(q, k, v, do, dk, dv), *shared, **meta)
+    _bwd_dq_kernel[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, starts, dq, *_strides(q, k, v, do, dq), *shared, **meta)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# FA-2 backends (flash_attn package, torch's bundled copy)
+# --------------------------------------------------------------------------------------------
+
+def _left(window: int, T: int) -> int:
+    """FA-2 window_size_left: keys [t - left, t]. Clamped to T so it stays a valid int32."""
+    return min(window, T) - 1
+
+
+def _lse_fa_to_ours(lse: Tensor, varlen: bool) -> Tensor:
+    """FA-2 lse [B,HQ,T] (varlen: packed [HQ,total]) -> ours [B,T,HQ], contiguous."""
+    return (lse.t().unsqueeze(0) if varlen else lse.transpose(1, 2)).contiguous()
+
+
+def _lse_ours_to_fa(lse: Tensor, varlen: bool) -> Tensor:
+    """Inverse of `_lse_fa_to_ours`; FA-2 backward reads lse as a dense contiguous array."""
+    return (lse[0].t() if varlen else lse.transpose(1, 2)).to(torch.float32).contiguous()
+
+
+def _cu(cu_seqlens: Tensor, device) -> Tensor:
+    return cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _fa_backward(raw_bwd: Callable, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens):
+    """FA-2 backward plus the dlse term it has no input for.
+
+    dS = P * (dP - delta + dlse). The extra part P * dlse comes from a second pass with V = 0
+    (so dP = 0), dO' = e_0 and O' = -dlse * e_0 (so rowsum(dO' * O') = -dlse): its dQ, dK are
+    exactly the dlse contributions. Well conditioned for any dO, unlike folding dlse into O.
+    """
+    grads = raw_bwd(do, q, k, v, o, lse, window, scale, cu_seqlens)
+    if dlse is None:
+        return grads
+    unit = torch.zeros_like(o)
+    unit[..., 0] = 1
+    shifted = torch.zeros_like(o)
+    shifted[..., 0] = -dlse
+    dq1, dk1, _ = raw_bwd(unit, q, k, torch.zeros_like(v), shifted, lse, window, scale, cu_seqlens)
+    dq, dk, dv = grads
+    return dq + dq1, dk + dk1, dv
+
+
+def _aten_fwd(q, k, v, window, scale, cu_seqlens):
+    T = q.shape[1]
+    win = dict(scale=scale, window_size_left=_left(window, T), window_size_right=0)
+    if cu_seqlens is None:
+        o, lse = torch.ops.aten._flash_attention_forward(
+            q, k, v, None, None, T, T, 0.0, True, False, **win)[:2]
+        return o, _lse_fa_to_ours(lse, varlen=False)
+    cu = _cu(cu_seqlens, q.device)
+    o, lse = torch.ops.aten._flash_attention_forward(
+        q[0], k[0], v[0], cu, cu, T, T, 0.0, True, False, **win)[:2]
+    return o.unsqueeze(0), _lse_fa_to_ours(lse, varlen=True)
+
+
+def _aten_raw_bwd(do, q, k, v, o, lse, window, scale, cu_seqlens):
+    T = q.shape[1]
+    win = dict(scale=scale, window_size_left=_left(window, T), window_size_right=0)
+    # Stand-ins for the forward's rng_state / unused outputs: with dropout_p = 0 the kernel
+    # never reads the philox state, and this API does not carry it from the forward.
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    fa_lse = _lse_ours_to_fa(lse, varlen=cu_seqlens is not None)
+    if cu_seqlens is None:
+        return torch.ops.aten._flash_attention_backward(
+            do, q, k, v, o, fa_lse, None, None, T, T, 0.0, True, seed, offset, **win)
+    cu = _cu(cu_seqlens, q.device)
+    grads = torch.ops.aten._flash_attention_backward(
+        do[0], q[0], k[0], v[0], o[0], fa_lse, cu, cu, T, T, 0.0, True, seed, offset, **win)
+    return tuple(g.unsqueeze(0) for g in grads)
+
+
+@functools.cache
+def _flash_attn_interface():
+    """flash_attn.flash_attn_interface if a usable flash-attn >= 2.7 is installed, else None.
+
+    2.7 split window_size into window_size_left/right in the backward entry points used here.
+    """
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_interface
+    except (ImportError, OSError):  # absent, or built against another torch/CUDA
+        return None
+    major, minor = (int(x) for x in flash_attn.__version__.split(".")[:2])
+    return flash_attn_interface if (major, minor) >= (2, 7) else None
+
+
+def _flash_fwd(q, k, v, window, scale, cu_seqlens):
+    fa = _flash_attn_interface()
+    T = q.shape[1]
+    win = dict(dropout_p=0.0, softmax_scale=scale, causal=True, window_size=(_left(window, T), 0),
+               return_attn_probs=True)
+    with torch.no_grad():  # the op layer owns autograd; flash_attn's Function must not save
+        if cu_seqlens is None:
+            o, lse, _ = fa.flash_attn_func(q, k, v, **win)
+            return o, _lse_fa_to_ours(lse, varlen=False)
+        cu = _cu(cu_seqlens, q.device)
+        o, lse, _ = fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, T, T, **win)
+    return o.unsqueeze(0), _lse_fa_to_ours(lse, varlen=True)
+
+
+def _flash_raw_bwd(do, q, k, v, o, lse, window, scale, cu_seqlens):
+    fa = _flash_attn_interface()
+    T = q.shape[1]
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    common = dict(dropout_p=0.0, softmax_scale=scale, causal=True,
+                  window_size_left=_left(window, T), window_size_right=0, softcap=0.0,
+                  alibi_slopes=None, deterministic=False, rng_state=None)
+    fa_lse = _lse_ours_to_fa(lse, varlen=cu_seqlens is not None)
+    if cu_seqlens is None:
+        fa._flash_attn_backward(do, q, k, v, o, fa_lse, dq, dk, dv, **common)
+    else:
+        cu = _cu(cu_seqlens, q.device)
+        fa._flash_attn_varlen_backward(do[0], q[0], k[0], v[0], o[0], fa_lse, dq[0], dk[0], dv[0],
+                                       cu, cu, T, T, **common)
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# Capability checks and routing
+# --------------------------------------------------------------------------------------------
+
+def _fa2_serves(q: Tensor, k: Optional[Tensor], v: Optional[Tensor]) -> bool:
+    """FA-2 kernel limits: fp16/bf16 on CUDA sm80+, Dk == Dv <= 256, multiple of 8."""
+    if not (q.is_cuda and q.dtype in _FA_DTYPES):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 8:
+        return False
+    d = q.shape[-1]
+    if d > _MAX_HEAD_DIM or d % 8:
+        return False
+    return all(x is None or (x.dtype == q.dtype and x.shape[-1] == d) for x in (k, v))
+
+
+def _fa2_reason(name: str) -> str:
+    return f"{name} needs fp16/bf16 on CUDA sm80+, q/k/v of one dtype, Dk == Dv <= 256, Dk % 8 == 0"
+
+
+def _flash_attn_refusal(q, k, v) -> Optional[str]:
+    if _flash_attn_interface() is None:
+        return "flash_attn needs the flash-attn package (>= 2.7) importable"
+    return None if _fa2_serves(q, k, v) else _fa2_reason("flash_attn")
+
+
+def _aten_fa2_refusal(q, k, v) -> Optional[str]:
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "aten_fa2 needs a torch build with flash attention (USE_FLASH_ATTENTION)"
+    return None if _fa2_serves(q, k, v) else _fa2_reason("aten_fa2")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_refusal(q, k, v) -> Optional[str]:
+    if not (q.is_cuda or (q.device.type == "cpu" and _interpreting())):
+        return "triton needs a CUDA tensor (or a CPU tensor with TRITON_INTERPRET=1)"
+    if q.dtype not in _TRITON_DTYPES or any(x is not None and x.dtype != q.dtype for x in (k, v)):
+        return "triton needs q/k/v of one dtype among fp16, bf16, fp32"
+    if not q.is_cuda and q.dtype == torch.bfloat16:
+        return "triton under TRITON_INTERPRET mis-computes bf16 dots; use fp16/fp32 on CPU"
+    if any(x is not None and x.shape[-1] > _MAX_HEAD_DIM for x in (q, v)):
+        return "triton tiles head dims up to 256 (Dk, Dv <= 256)"
+    return None
+
+
+class _Backend(NamedTuple):
+    refusal: Callable[[Tensor, Optional[Tensor], Optional[Tensor]], Optional[str]]
+    fwd: Callable
+    bwd: Callable
+
+
+_BACKENDS = {
+    "flash_attn": _Backend(_flash_attn_refusal, _flash_fwd,
+                           functools.partial(_fa_backward, _flash_raw_bwd)),
+    "aten_fa2": _Backend(_aten_fa2_refusal, _aten_fwd,
+                         functools.partial(_fa_backward, _aten_raw_bwd)),
+    "triton": _Backend(_triton_refusal, _triton_fwd, _triton_bwd),
+}
+
+
+def backend_refusal(backend: str, q: Tensor, k: Optional[Tensor] = None,
+                    v: Optional[Tensor] = None) -> Optional[str]:
+    """None if `backend` can serve these inputs, else why not (checks on k/v skipped if absent)."""
+    if backend not in _BACKENDS:
+        return f"unknown sliding-window backend {backend!r}; known: {', '.join(_BACKENDS)}"
+    return _BACKENDS[backend].refusal(q, k, v)
+
+
+def available_backends(q: Tensor) -> list[str]:
+    """Backends able to serve q (and k/v shaped like it, Dk == Dv), in preference order."""
+    return [name for name in _BACKENDS if backend_refusal(name, q) is None]
+
+
+def select_backend(q: Tensor, k: Tensor, v: Tensor, backend: Optional[str] = None) -> str:
+    """The backend that will run: `backend` if it can serve the inputs, else the first that can.
+
+    Raises ValueError with the refusal reason(s) when nothing fits.
+    """
+    if backend is not None:
+        reason = backend_refusal(backend, q, k, v)
+        if reason is not None:
+            raise ValueError(reason)
+        return backend
+    reasons = {name: backend_refusal(name, q, k, v) for name in _BACKENDS}
+    for name, reason in reasons.items():
+        if reason is None:
+            return name
+    raise ValueError("no sliding-window backend serves these inputs: "
+                     + "; ".join(reasons.values()))
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, window: int,
+                  cu_seqlens: Optional[Tensor]) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [B, T, heads, D]")
+    if k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of KV heads {k.shape[2]}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if cu_seqlens is not None and (q.shape[0] != 1 or cu_seqlens.dim() != 1):
+        raise ValueError("varlen input needs B == 1 and cu_seqlens [N + 1]")
+
+
+def _unit_last(x: Tensor) -> Tensor:
+    """Every backend needs a unit stride along the head dimension."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+def sliding_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
+                       cu_seqlens: Optional[Tensor] = None,
+                       backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """(o [B,T,HQ,Dv] in q.dtype, lse float32 [B,T,HQ]); query t sees keys (t - w, t]."""
+    _check_inputs(q, k, v, window, cu_seqlens)
+    impl = _BACKENDS[select_backend(q, k, v, backend)]
+    B, T, HQ, _ = q.shape
+    if B * T == 0:
+        return (q.new_empty(B, T, HQ, v.shape[3]),
+                q.new_empty(B, T, HQ, dtype=torch.float32))
+    q, k, v = (_unit_last(x) for x in (q, k, v))
+    return impl.fwd(q, k, v, int(window), float(scale), cu_seqlens)
+
+
+def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                       dlse: Optional[Tensor], window: int, scale: float,
+                       cu_seqlens: Optional[Tensor] = None,
+                       backend: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the dtypes of q, k, v; dS = P * (dP - rowsum(dO * O) + dlse)."""
+    _check_inputs(q, k, v, window, cu_seqlens)
+    impl = _BACKENDS[select_backend(q, k, v, backend)]
+    if q.shape[0] * q.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    q, k, v, o, do = (_unit_last(x) for x in (q, k, v, o, do))
+    return impl.bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens)

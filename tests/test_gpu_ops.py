@@ -1,0 +1,78 @@
+"""End-to-end GPU checks of the torch.ops.nsa path (routing -> Triton / FA-2) against the reference."""
+import pytest
+import torch
+
+import nsa_ops
+from nsa_ops import reference as R, routing
+from helpers import cu_seqlens, gates, qkv
+
+pytestmark = pytest.mark.gpu
+
+REL = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-3}
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("T,HQ,H,Dk,Dv,lengths", [
+    (2048, 16, 4, 64, 64, None),
+    (4096, 64, 4, 128, 128, None),
+    (1500, 8, 8, 192, 128, None),
+    (3000, 32, 2, 128, 128, (1000, 37, 1963)),
+])
+def test_nsa_attention_cuda_matches_reference(T, HQ, H, Dk, Dv, lengths, dtype):
+    q, k, v = qkv(1, T, HQ, H, Dk, Dv, dtype, seed=T, requires_grad=True, device="cuda")
+    g = [x.cuda() for x in gates(1, T, HQ, dtype)]
+    cu = cu_seqlens(lengths, "cuda") if lengths else None
+    x = routing.Inputs.of(q, v, cu)
+    assert routing.choose("selection_attention", x).impl == "triton"
+    o = nsa_ops.nsa_attention(q, k, v, *g, cu_seqlens=cu)
+    do = torch.randn_like(o)
+    o.backward(do)
+    # reference in float32 on the same selection (bf16 rounding may flip near-tied blocks)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    k_cmp, v_cmp = R.compress_mean(k32, 32, 16, cu), R.compress_mean(v32, 32, 16, cu)
+    _, lse = torch.ops.nsa.compressed_attention(q.detach(), R.compress_mean(k.detach(), 32, 16, cu),
+                                                R.compress_mean(v.detach(), 32, 16, cu), 32, 16,
+                                                Dk ** -0.5, cu)
+    idx = torch.ops.nsa.select_blocks(q.detach(), R.compress_mean(k.detach(), 32, 16, cu), lse,
+                                      32, 16, 64, 16, Dk ** -0.5, cu)
+    with torch.enable_grad():
+        ref = R.nsa(q32, k32, v32, *(t.float() for t in g), cu_seqlens=cu, block_idx=idx)
+        ref.backward(do.float())
+    assert rel_err(o, ref) < REL[dtype]
+    for ours, theirs in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
+        assert rel_err(ours, theirs) < 2 * REL[dtype]
+
+
+def test_matches_fla_naive_nsa():
+    fla_naive = pytest.importorskip("fla.ops.nsa.naive")
+    T, HQ, H, D = 300, 16, 1, 64
+    q, k, v = qkv(1, T, HQ, H, D, D, torch.float32, seed=4, device="cuda")
+    g = [x.cuda() for x in gates(1, T, HQ)]
+    zero = torch.zeros_like(g[2])
+    ours = nsa_ops.nsa_attention(q, k, v, g[0], g[1], zero, block_len=64, block_stride=64,
+                                 sel_block=64, num_sel=4, window=1)
+    theirs = fla_naive.naive_nsa(q, k, v, g[0], g[1], None, block_counts=4, block_size=64,
+                                 window_size=0)
+    assert rel_err(ours, theirs) < 1e-4
+
+
+def test_cuda_graph_capture_forward():
+    T, HQ, H, D = 2048, 16, 2, 64
+    q, k, v = qkv(1, T, HQ, H, D, D, torch.bfloat16, seed=1, device="cuda")
+    g = [x.cuda() for x in gates(1, T, HQ, torch.bfloat16)]
+    eager = nsa_ops.nsa_attention(q, k, v, *g)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        nsa_ops.nsa_attention(q, k, v, *g)  # warm up (autotune, compile) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nsa_ops.nsa_attention(q, k, v, *g)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager)

@@ -1,0 +1,223 @@
+"""Triton selection-attention kernels (nsa_ops.kernels.selection) against the PyTorch reference.
+
+CPU cases run the kernels under TRITON_INTERPRET (set by conftest.py) and compare with the reference
+in float64. Tolerances (elementwise |out - ref| <= atol + rtol * |ref|): fp32 1e-4 / 1e-4, fp16
+2e-2 / 2e-2. bf16 is GPU-only (the interpreter's bf16 tl.dot is wrong). GPU cases (-m gpu) compare
+||out - ref|| / ||ref|| against a float32 reference: < 1e-2 (fp16), < 2e-2 (bf16).
+
+Outputs are allocated with torch.empty inside the wrappers; the CPU tests make torch.empty return
+NaN-filled memory while the kernels run, so any element a kernel fails to write shows up.
+"""
+
+import pytest
+import torch
+
+from nsa_ops import reference as ref
+from nsa_ops.kernels import selection as sel_kernels
+from nsa_ops.kernels.selection import selection_attention_bwd, selection_attention_fwd
+
+CMP_LEN, CMP_STRIDE = 32, 16
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2)}
+GPU_TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+def make_qkv(B, T, H, G, Dk, Dv, dtype, device="cpu", strided=False, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if strided:
+        # views into one fused projection: non-contiguous along tokens and heads
+        fused = torch.randn(B, T, H * G + 2 * H, max(Dk, Dv), generator=gen, device=device)
+        fused = fused.to(dtype)
+        return (fused[:, :, : H * G, :Dk], fused[:, :, H * G: H * G + H, :Dk],
+                fused[:, :, H * G + H:, :Dv])
+    q = torch.randn(B, T, H * G, Dk, generator=gen, device=device).to(dtype)
+    k = torch.randn(B, T, H, Dk, generator=gen, device=device).to(dtype)
+    v = torch.randn(B, T, H, Dv, generator=gen, device=device).to(dtype)
+    return q, k, v
+
+
+def spec_block_idx(q, k, sel_block, n, scale, cu_seqlens=None):
+    """block_idx as NSA computes it (mean pooling, Eq.9/10, forced blocks), as in ref.nsa."""
+    q32, k32 = q.float(), k.float()
+    k_cmp = ref.compress_mean(k32, CMP_LEN, CMP_STRIDE, cu_seqlens)
+    _, lse_cmp = ref.compressed_attention(q32, k_cmp, k_cmp, CMP_LEN, CMP_STRIDE, scale, cu_seqlens)
+    return ref.select_blocks(q32, k_cmp, lse_cmp, CMP_LEN, CMP_STRIDE, sel_block, n, scale,
+                             cu_seqlens)
+
+
+def random_block_idx(B, T, H, n, sel_block, cu_seqlens=None, seed=1):
+    """Random valid selections: 0..n distinct causal blocks per row (some rows empty), -1 last."""
+    gen = torch.Generator().manual_seed(seed)
+    _, pos = ref.token_layout(T, cu_seqlens, "cpu")
+    nblk = max(n, -(-T // sel_block))
+    avail = torch.arange(nblk)[None] * sel_block <= pos[:, None]  # [T, nblk]
+    score = torch.rand(B, T, H, nblk, generator=gen).masked_fill(~avail[None, :, None], -1.0)
+    count = torch.randint(0, n + 1, (B, T, H, 1), generator=gen)
+    order = score.argsort(-1, descending=True)[..., :n]
+    take = (torch.arange(n) < count) & (torch.gather(score, -1, order) >= 0)
+    picked = torch.where(take, order, nblk).sort(-1).values
+    return torch.where(picked == nblk, -1, picked).to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN (floats) / a sentinel (ints) so unwritten outputs are caught."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        x = real_empty(*args, **kwargs)
+        return x.fill_(float("nan") if x.is_floating_point() else -7777)
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def assert_close(name, out, expected, dtype):
+    atol, rtol = TOL[dtype]
+    out64 = out.double()
+    assert torch.isfinite(out64).all(), f"{name}: non-finite values"
+    err = (out64 - expected).abs() - rtol * expected.abs()
+    assert err.max() <= atol, f"{name}: max excess error {err.max().item():.3e} (atol {atol})"
+
+
+def assert_lse(lse, expected, dtype):
+    assert lse.dtype == torch.float32
+    empty = torch.isneginf(expected)
+    assert torch.equal(torch.isneginf(lse), empty), "lse: -inf rows differ"
+    assert not torch.isnan(lse).any()
+    assert_close("lse", lse[~empty], expected[~empty], dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU (interpreter) cases
+# --------------------------------------------------------------------------------------------
+
+# (B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, dlse, extra) with extra in
+# {"", "strided", "chunks"}; "chunks" cuts the dk/dv inverse index into one tile per chunk so that
+# blocks span many chunks (exercises the atomic accumulation).
+CASES = [
+    (1, 50, 2, 1, 16, 16, 16, 3, torch.float32, "spec", False, ""),
+    (2, 50, 1, 2, 32, 16, 32, 4, torch.float16, "random", True, ""),
+    (1, 97, 1, 4, 32, 16, 16, 4, torch.float32, "random", True, "chunks"),
+    (1, 97, 1, 4, 16, 16, 32, 3, torch.float16, "spec", False, "chunks"),
+    (1, 50, 2, 2, 32, 16, 16, 4, torch.float32, "spec", True, "strided"),
+    (1, 50, 1, 3, 32, 16, 32, 3, torch.float32, "random", True, "chunks"),
+    (1, 50, 1, 2, 16, 16, 128, 2, torch.float32, "random", True, ""),
+]
+
+
+def run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, cu_seqlens=None):
+    scale = q.shape[-1] ** -0.5
+    gen = torch.Generator().manual_seed(2)
+    o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, cu_seqlens)
+    do = torch.randn(o.shape, generator=gen).to(dtype)
+    dlse = torch.randn(lse.shape, generator=gen) if with_dlse else None
+    dq, dk, dv = selection_attention_bwd(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
+                                         cu_seqlens)
+
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    o_ref, lse_ref = ref.selection_attention(q64, k64, v64, block_idx, sel_block, scale, cu_seqlens)
+    grads_ref = ref.selection_attention_backward(
+        q64, k64, v64, o_ref, lse_ref, do.double(), None if dlse is None else dlse.double(),
+        block_idx, sel_block, scale, cu_seqlens)
+
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    assert_close("o", o, o_ref, dtype)
+    assert_lse(lse, lse_ref, dtype)
+    for name, g, g_ref, x in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        assert_close(name, g, g_ref, dtype)
+
+
+@pytest.mark.parametrize("B,T,H,G,Dk,Dv,sel_block,n,dtype,selection,with_dlse,extra", CASES)
+def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, with_dlse, extra,
+                           monkeypatch, poisoned_empty):
+    if extra == "chunks":
+        monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
+    q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype, strided=extra == "strided")
+    if selection == "spec":
+        block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5)
+    else:
+        block_idx = random_block_idx(B, T, H, n, sel_block)
+    assert (block_idx < 0).any(), "cases must include empty slots"
+    run_case(q, k, v, block_idx, sel_block, dtype, with_dlse)
+
+
+@pytest.mark.parametrize("selection", ["spec", "random"])
+def test_selection_kernels_varlen(selection, poisoned_empty):
+    cu_seqlens = torch.tensor([0, 21, 60, 97], dtype=torch.int32)
+    T, H, G, Dk, Dv, sel_block, n = 97, 1, 2, 32, 16, 16, 3
+    q, k, v = make_qkv(1, T, H, G, Dk, Dv, torch.float32, seed=3)
+    if selection == "spec":
+        block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5, cu_seqlens)
+    else:
+        block_idx = random_block_idx(1, T, H, n, sel_block, cu_seqlens)
+    run_case(q, k, v, block_idx, sel_block, torch.float32, True, cu_seqlens)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU cases (pytest -m gpu)
+# --------------------------------------------------------------------------------------------
+
+def rel_err(out, expected):
+    out, expected = out.float(), expected.float()
+    return ((out - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+def run_gpu_case(B, T, H, G, Dk, Dv, dtype, cu_seqlens=None, sel_block=64, n=16, device="cuda"):
+    q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype, device=device)
+    scale = Dk ** -0.5
+    block_idx = spec_block_idx(q, k, sel_block, n, scale, cu_seqlens)
+    gen = torch.Generator(device=device).manual_seed(2)
+    o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, cu_seqlens)
+    do = torch.randn(o.shape, generator=gen, device=device).to(dtype)
+    dlse = torch.randn(lse.shape, generator=gen, device=device) * 0.1
+    grads = selection_attention_bwd(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
+                                    cu_seqlens)
+
+    # bound the reference's [B, H, G, chunk, T] fp32 score tensors to ~256 MiB each
+    chunk = max(16, 2 ** 26 // (H * G * T * B))
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    o_ref, lse_ref = ref.selection_attention(q32, k32, v32, block_idx, sel_block, scale, cu_seqlens,
+                                             chunk=chunk)
+    grads_ref = ref.selection_attention_backward(q32, k32, v32, o_ref, lse_ref, do.float(), dlse,
+                                                 block_idx, sel_block, scale, cu_seqlens,
+                                                 chunk=chunk)
+    tol = GPU_TOL[dtype]
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert rel_err(lse[finite], lse_ref[finite]) < tol
+    for name, out, expected in zip(("o", "dq", "dk", "dv"), (o, *grads), (o_ref, *grads_ref)):
+        assert torch.isfinite(out).all(), name
+        err = rel_err(out, expected)
+        assert err < tol, f"{name}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H", [4, 8])
+@pytest.mark.parametrize("G", [1, 4, 16])
+@pytest.mark.parametrize("Dk,Dv", [(64, 64), (128, 128), (192, 128)])
+def test_selection_kernels_gpu_1k(dtype, H, G, Dk, Dv):
+    run_gpu_case(2, 1024, H, G, Dk, Dv, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,G,Dk,Dv", [(4, 16, 128, 128), (8, 4, 192, 128), (4, 1, 64, 64)])
+def test_selection_kernels_gpu_8k(dtype, H, G, Dk, Dv):
+    run_gpu_case(1, 8192, H, G, Dk, Dv, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T", [1024, 8192])
+def test_selection_kernels_gpu_varlen(dtype, T):
+    lens = torch.tensor([T // 8, T // 2 - 77, T - T // 8 - (T // 2 - 77)])
+    cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32).cuda()
+    run_gpu_case(1, T, 4, 16, 128, 128, dtype, cu_seqlens)

@@ -1,0 +1,273 @@
+"""Sliding-window attention kernels (nsa_ops.kernels.window) against nsa_ops.reference.
+
+CPU (TRITON_INTERPRET=1): the Triton backend in fp32 and fp16 vs the float64 reference, on
+the same (dtype-rounded) inputs, with a random dlse. Tolerances are elementwise
+|out - ref| <= atol + rtol * |ref| (torch.testing.assert_close), data ~ N(0, 1), scale = Dk ** -0.5:
+    fp32: atol 2e-5, rtol 1e-4   (fp32 accumulation, ~1e-6 observed)
+    fp16: atol 1e-2, rtol 1e-2   (P and dS are rounded to fp16 before their matmuls)
+Outputs come from torch.empty, which the `poisoned_empty` fixture fills with NaN, so any element
+a kernel forgets to write fails the finiteness check.
+
+GPU (-m gpu): every backend that serves the inputs, in fp16/bf16, vs a float32 reference with
+||out - ref|| / ||ref|| < 1e-2 (bf16: 2e-2) for o, lse, dq, dk, dv; the backends vs each other;
+Triton in fp32 vs a float64 reference (< 1e-5, i.e. no tf32); routing of Dk != Dv to Triton.
+"""
+import itertools
+
+import pytest
+import torch
+
+from nsa_ops import reference as ref
+from nsa_ops.kernels import window as win
+
+CPU_TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
+GPU_REL_TOL = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+NAMES = ("o", "lse", "dq", "dk", "dv")
+
+# (B, T, G, Dk, Dv, window, dtype): every (window, G, dtype) triple, and every pair of values of
+# any two parameters (B in {1,2}, T in {37,100}, (Dk,Dv) in {(16,16),(32,16)}) appears at least
+# once; the full product would take minutes in the interpreter. window 200 > T is full causal.
+F32, F16 = torch.float32, torch.float16
+CASES = [
+    (1, 100, 1, 32, 16, 1, F32), (2, 37, 1, 32, 16, 1, F16),
+    (1, 100, 2, 16, 16, 1, F32), (1, 37, 2, 16, 16, 1, F16),
+    (1, 37, 3, 16, 16, 1, F32), (1, 37, 3, 32, 16, 1, F16),
+    (1, 100, 1, 16, 16, 8, F32), (1, 37, 1, 16, 16, 8, F16),
+    (2, 37, 2, 32, 16, 8, F32), (1, 37, 2, 16, 16, 8, F16),
+    (1, 37, 3, 32, 16, 8, F32), (2, 37, 3, 32, 16, 8, F16),
+    (2, 100, 1, 16, 16, 200, F32), (2, 37, 1, 32, 16, 200, F16),
+    (1, 37, 2, 32, 16, 200, F32), (1, 37, 2, 32, 16, 200, F16),
+    (1, 37, 3, 32, 16, 200, F32), (1, 100, 3, 32, 16, 200, F16),
+]
+H = 2  # KV heads on CPU
+
+
+def _case_id(case):
+    B, T, G, Dk, Dv, w, dtype = case
+    return f"B{B}-T{T}-G{G}-D{Dk}x{Dv}-w{w}-{str(dtype).split('.')[-1]}"
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty returns NaN-filled float memory, so unwritten outputs cannot pass as zeros."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _inputs(B, T, H, G, Dk, Dv, dtype, device="cpu", seed=0):
+    """q, k, v, dO in `dtype` and a float32 dlse, from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dt)
+    HQ = H * G
+    return (rnd(B, T, HQ, Dk), rnd(B, T, H, Dk), rnd(B, T, H, Dv), rnd(B, T, HQ, Dv),
+            rnd(B, T, HQ, dt=torch.float32))
+
+
+def _reference(q, k, v, do, dlse, w, scale, cu_seqlens, dtype):
+    """(o, lse, dq, dk, dv) of the reference in `dtype` on the given inputs."""
+    q, k, v, do = (x.to(dtype) for x in (q, k, v, do))
+    dlse = None if dlse is None else dlse.to(dtype)
+    o, lse = ref.sliding_window_attention(q, k, v, w, scale, cu_seqlens)
+    grads = ref.sliding_window_attention_backward(q, k, v, o, lse, do, dlse, w, scale, cu_seqlens)
+    return (o, lse, *grads)
+
+
+def _kernel(q, k, v, do, dlse, w, scale, cu_seqlens, backend):
+    o, lse = win.sliding_window_fwd(q, k, v, w, scale, cu_seqlens, backend=backend)
+    grads = win.sliding_window_bwd(q, k, v, o, lse, do, dlse, w, scale, cu_seqlens,
+                                   backend=backend)
+    return (o, lse, *grads)
+
+
+def _check_close(outs, refs, dtype):
+    assert outs[1].dtype == torch.float32
+    for name, out, exp in zip(NAMES, outs, refs):
+        assert out.shape == exp.shape, name
+        assert torch.isfinite(out).all(), f"{name} has non-finite (unwritten?) elements"
+        torch.testing.assert_close(out.double(), exp.double(), **CPU_TOL[dtype], msg=name)
+
+
+def _compare_cpu(B, T, G, Dk, Dv, w, dtype, cu_seqlens=None, with_dlse=True, seed=0):
+    q, k, v, do, dlse = _inputs(B, T, H, G, Dk, Dv, dtype, seed=seed)
+    dlse = dlse if with_dlse else None
+    scale = Dk ** -0.5
+    outs = _kernel(q, k, v, do, dlse, w, scale, cu_seqlens, "triton")
+    assert [x.dtype for x in outs] == [dtype, torch.float32, dtype, dtype, dtype]
+    _check_close(outs, _reference(q, k, v, do, dlse, w, scale, cu_seqlens, torch.float64), dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: Triton backend in interpreter mode
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_triton_matches_reference(case, poisoned_empty):
+    B, T, G, Dk, Dv, w, dtype = case
+    _compare_cpu(B, T, G, Dk, Dv, w, dtype, seed=CASES.index(case))
+
+
+@pytest.mark.parametrize("w", [8, 200])
+def test_triton_varlen_matches_reference(w, poisoned_empty):
+    # sequences of 13, 1, 36 and 50 tokens: windows must stop at every boundary
+    cu = torch.tensor([0, 13, 14, 50, 100], dtype=torch.int32)
+    _compare_cpu(1, 100, 2, 16, 16, w, torch.float32, cu_seqlens=cu, seed=w)
+
+
+def test_triton_gpu_tiles_without_dlse(monkeypatch, poisoned_empty):
+    """The GPU tile shapes (larger than the interpreter's) and the dlse=None path."""
+    real = win._tile_config
+    monkeypatch.setattr(win, "_tile_config",
+                        lambda backward, row_bytes, on_gpu: real(backward, row_bytes, True))
+    _compare_cpu(1, 300, 2, 16, 16, 40, torch.float16, with_dlse=False, seed=3)
+
+
+def test_triton_strided_inputs(poisoned_empty):
+    """q, k, v as head slices of one packed qkv tensor (non-contiguous token/head strides)."""
+    B, T, G, D, w = 2, 37, 2, 16, 8
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(B, T, H * G + 2 * H, D, generator=gen)
+    q, k, v = qkv.split([H * G, H, H], dim=2)
+    do = torch.randn(B, T, H * G, D, generator=gen)
+    outs = _kernel(q, k, v, do, None, w, D ** -0.5, None, "triton")
+    _check_close(outs, _reference(q, k, v, do, None, w, D ** -0.5, None, torch.float64),
+                 torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: routing and argument checks
+# --------------------------------------------------------------------------------------------
+
+def test_cpu_routing():
+    q = torch.zeros(1, 4, 2, 16)
+    assert win.available_backends(q) == ["triton"]
+    assert win.select_backend(q, q, q) == "triton"
+    for name in ("flash_attn", "aten_fa2"):
+        reason = win.backend_refusal(name, q)
+        assert reason and reason.startswith(name)
+        with pytest.raises(ValueError, match=name):
+            win.sliding_window_fwd(q, q, q, 2, 0.25, backend=name)
+    assert "unknown" in win.backend_refusal("cudnn", q)
+    with pytest.raises(ValueError, match="unknown"):
+        win.sliding_window_fwd(q, q, q, 2, 0.25, backend="cudnn")
+
+
+def test_cpu_refusals():
+    bf16 = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16)
+    assert "bf16" in win.backend_refusal("triton", bf16)
+    f64 = torch.zeros(1, 4, 2, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="no sliding-window backend"):
+        win.sliding_window_fwd(f64, f64, f64, 2, 0.25)
+    wide = torch.zeros(1, 4, 1, 512)
+    assert "256" in win.backend_refusal("triton", wide)
+
+
+def test_argument_checks():
+    q = torch.zeros(1, 4, 3, 16)
+    kv = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        win.sliding_window_fwd(q, kv, kv, 2, 0.25)
+    with pytest.raises(ValueError, match="window"):
+        win.sliding_window_fwd(kv, kv, kv, 0, 0.25)
+    with pytest.raises(ValueError, match="varlen"):
+        win.sliding_window_fwd(torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16),
+                               torch.zeros(2, 4, 2, 16), 2, 0.25,
+                               cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+
+
+def test_empty_sequence():
+    q = torch.zeros(1, 0, 4, 16)
+    kv = torch.zeros(1, 0, 2, 16)
+    o, lse = win.sliding_window_fwd(q, kv, kv, 8, 0.25)
+    assert o.shape == (1, 0, 4, 16) and lse.shape == (1, 0, 4) and lse.dtype == torch.float32
+    dq, dk, dv = win.sliding_window_bwd(q, kv, kv, o, lse, o, None, 8, 0.25)
+    assert dq.shape == q.shape and dk.shape == kv.shape and dv.shape == kv.shape
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: every backend, bf16/fp16, realistic sizes
+# --------------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "H4-G1-D64-T2048": dict(B=2, T=2048, H=4, G=1, Dk=64, Dv=64, w=512),
+    "H8-G4-D128-T8192": dict(B=1, T=8192, H=8, G=4, Dk=128, Dv=128, w=512),
+    "H4-G16-D64-T4096": dict(B=1, T=4096, H=4, G=16, Dk=64, Dv=64, w=512),
+    "H8-G16-D128-T2048": dict(B=1, T=2048, H=8, G=16, Dk=128, Dv=128, w=512),
+    "H4-G4-D192x128-T2048": dict(B=2, T=2048, H=4, G=4, Dk=192, Dv=128, w=512),
+    "H8-G4-D128-varlen": dict(B=1, T=8192, H=8, G=4, Dk=128, Dv=128, w=512,
+                              cu=[0, 1, 700, 4096, 4097, 8192]),
+}
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _rel(out, exp):
+    return ((out.float() - exp.float()).norm() / exp.float().norm()).item()
+
+
+def _gpu_inputs(cfg, dtype, seed=0):
+    q, k, v, do, dlse = _inputs(cfg["B"], cfg["T"], cfg["H"], cfg["G"], cfg["Dk"], cfg["Dv"],
+                                dtype, device="cuda", seed=seed)
+    cu = cfg.get("cu")
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
+    return q, k, v, do, dlse, cu
+
+
+@pytest.mark.gpu
+def test_gpu_routing():
+    q = torch.zeros(1, 16, 8, 192, dtype=torch.bfloat16, device="cuda")
+    k = torch.zeros(1, 16, 2, 192, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+    assert win.select_backend(q, k, v) == "triton"  # Dk != Dv: FA-2 cannot serve it
+    assert win.available_backends(q)[-1] == "triton"
+    assert win.available_backends(q.float()) == ["triton"]
+
+
+@pytest.mark.gpu
+def test_gpu_triton_fp32():
+    """fp32 on the GPU must use exact (non-tf32) dots: near-fp32 agreement with the reference."""
+    q, k, v, do, dlse, cu = _gpu_inputs(GPU_CASES["H4-G4-D192x128-T2048"], torch.float32)
+    outs = _kernel(q, k, v, do, dlse, 512, 192 ** -0.5, cu, "triton")
+    refs = _reference(q, k, v, do, dlse, 512, 192 ** -0.5, cu, torch.float64)
+    for name, out, exp in zip(NAMES, outs, refs):
+        assert _rel(out, exp) < 1e-5, (name, _rel(out, exp))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", list(GPU_CASES.values()), ids=list(GPU_CASES))
+@pytest.mark.parametrize("backend", ["flash_attn", "aten_fa2", "triton"])
+def test_gpu_backend_matches_reference(backend, cfg, dtype):
+    q, k, v, do, dlse, cu = _gpu_inputs(cfg, dtype)
+    reason = win.backend_refusal(backend, q, k, v)
+    if reason is not None:
+        if backend == "triton":
+            pytest.fail(f"triton must serve every GPU case: {reason}")
+        pytest.skip(reason)
+    scale = cfg["Dk"] ** -0.5
+    outs = _kernel(q, k, v, do, dlse, cfg["w"], scale, cu, backend)
+    refs = _reference(q, k, v, do, dlse, cfg["w"], scale, cu, torch.float32)
+    for name, out, exp in zip(NAMES, outs, refs):
+        assert torch.isfinite(out).all(), name
+        assert _rel(out, exp) < GPU_REL_TOL[dtype], (name, _rel(out, exp))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("cfg", [GPU_CASES["H8-G4-D128-T8192"], GPU_CASES["H8-G4-D128-varlen"]],
+                         ids=["dense", "varlen"])
+def test_gpu_backends_agree(cfg, dtype):
+    q, k, v, do, dlse, cu = _gpu_inputs(cfg, dtype, seed=1)
+    names = [n for n in ("flash_attn", "aten_fa2", "triton")
+             if win.backend_refusal(n, q, k, v) is None]
+    assert win.select_backend(q, k, v) == names[0]
+    scale = cfg["Dk"] ** -0.5
+    results = {n: _kernel(q, k, v, do, dlse, cfg["w"], scale, cu, n) for n in names}
+    for a, b in itertools.combinations(names, 2):
+        for name, x, y in zip(NAMES, results[a], results[b]):
+            assert _rel(x, y) < GPU_REL_TOL[dtype], (a, b, name, _rel(x, y))
