@@ -19,6 +19,7 @@ atomically adds its partial dk/dv into fp32 buffers; only blocks spanning severa
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -80,6 +81,22 @@ def _token_blocks(bidx, seq_start, b, t, h, T, N, H: tl.constexpr, NP: tl.conste
 # Kernels
 # --------------------------------------------------------------------------------------------
 
+def _per_token_configs():
+    """Launch configs for the per-token kernels (fwd, dq); tuned per shape on first use.
+
+    Both kernels are bound by moving K/V blocks from L2, so what matters is how many loads are in
+    flight: pipeline depth and programs per SM. The interpreter ignores these, so one config there.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({}, num_warps=4, num_stages=2)]
+    return [triton.Config({}, num_warps=w, num_stages=s)
+            for w, s in ((4, 2), (4, 3), (4, 4), (2, 3), (8, 3))]
+
+
+_PER_TOKEN_KEY = ["H", "G", "DK", "DV", "SEL", "NP"]
+
+
+@triton.autotune(configs=_per_token_configs(), key=_PER_TOKEN_KEY)
 @triton.jit
 def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
                 sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
@@ -130,6 +147,7 @@ def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
     tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
 
 
+@triton.autotune(configs=_per_token_configs(), key=_PER_TOKEN_KEY)
 @triton.jit
 def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
                sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
@@ -367,7 +385,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
         T, n, scale * math.log2(math.e),
         H=H, G=HQ // H, GP=_pow2(HQ // H), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
         BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=seq_start is not None,
-        PREC=_precision(q.dtype), num_warps=4, num_stages=2)
+        PREC=_precision(q.dtype))
     return o, lse
 
 
@@ -401,7 +419,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         T, n, scale, scale * math.log2(math.e),
         H=H, G=G, GP=_pow2(G), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
         BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=seq_start is not None,
-        HAS_DLSE=dlse is not None, PREC=prec, num_warps=4, num_stages=2)
+        HAS_DLSE=dlse is not None, PREC=prec)
 
     gp2 = _pow2(G, 1)
     bn, bm, warps = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)

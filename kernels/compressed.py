@@ -1,0 +1,671 @@
+"""Triton kernels of NSA's compressed branch: attention forward / backward, top-n block selection.
+
+Row layout shared by every query-side kernel (group-centric): a program owns TOK consecutive query
+tokens times the G query heads of one KV head, laid out as rows r -> (token t0 + r // G_PAD, head
+r % G_PAD); heads >= G are padding and masked. One load of a compressed key tile thus feeds a single
+[TOK * G_PAD, BLOCK_N] tl.dot for the whole group.
+
+Visibility: token t sees the compressed rows [lo(t), hi(t)) of k_cmp, i.e. the rows of its own
+sequence whose block [i*d, i*d + l) ends at or before t. Both bounds are non-decreasing in the
+packed token index (rows are packed per sequence in order), so a query tile sees one contiguous row
+range: tiles past it are skipped (causality) and tiles inside every row's range run unmasked.
+
+Nothing here reads device values on the host: varlen layouts are built with torch ops on device.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from nsa_ops.reference import cmp_layout, num_cmp, token_layout
+
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # kernels work in base 2 (exp2 / log2)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+# Upper bound on TOK * NBLK_PAD: the fp32 block scores that select_blocks keeps in registers.
+_SCORE_BUDGET = 8192
+
+
+# --------------------------------------------------------------------------------------------
+# Shared device helpers
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _query_rows(t0, T, G, TOK: tl.constexpr, G_PAD: tl.constexpr):
+    """Token index, head-in-group and validity of the TOK * G_PAD rows of a query tile."""
+    r = tl.arange(0, TOK * G_PAD)
+    tok = t0 + r // G_PAD
+    head = r % G_PAD
+    return tok, head, (tok < T) & (head < G)
+
+
+@triton.jit
+def _token_pos(tok, T, SEQ, POS, VARLEN: tl.constexpr):
+    """(sequence id, position inside the sequence) of packed tokens."""
+    if VARLEN:
+        inb = tok < T
+        return tl.load(SEQ + tok, mask=inb, other=0), tl.load(POS + tok, mask=inb, other=0)
+    return tl.zeros_like(tok), tok
+
+
+@triton.jit
+def _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L: tl.constexpr, STRIDE: tl.constexpr,
+                  VARLEN: tl.constexpr):
+    """Compressed rows [lo, hi) of k_cmp visible to each token: block i iff i*d + l - 1 <= pos."""
+    seq, pos = _token_pos(tok, T, SEQ, POS, VARLEN)
+    if VARLEN:
+        lo = tl.load(CMP_CU + seq)
+    else:
+        lo = tl.zeros_like(tok)
+    # keep the dividend non-negative: GPU division truncates, the interpreter's floors
+    nvis = tl.where(pos >= L - 1, tl.maximum(pos - L + 1, 0) // STRIDE + 1, 0)
+    return lo, tl.minimum(lo + nvis, NC)
+
+
+@triton.jit
+def _load_rows(ptr, tok, hq, st, sh, D: tl.constexpr, D_PAD: tl.constexpr, valid):
+    """[rows, D_PAD] tile of a [T, heads, D] tensor (last dim contiguous), zero where masked."""
+    d = tl.arange(0, D_PAD)
+    offs = tok.to(tl.int64)[:, None] * st + hq[:, None] * sh + d[None, :]
+    return tl.load(ptr + offs, mask=valid[:, None] & (d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _load_keys(ptr, rows, sn, D: tl.constexpr, D_PAD: tl.constexpr, valid):
+    """[keys, D_PAD] tile of compressed rows (one KV head), zero where masked."""
+    d = tl.arange(0, D_PAD)
+    return tl.load(ptr + rows[:, None] * sn + d[None, :],
+                   mask=valid[:, None] & (d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _row_stats(ptr, tok, hq, HQ, valid):
+    """Per-row fp32 value of a [T, HQ] contiguous tensor (lse, delta)."""
+    return tl.load(ptr + tok * HQ + hq, mask=valid, other=0.0)
+
+
+@triton.jit
+def _tile_span(lo, hi, valid, BLOCK: tl.constexpr):
+    """Loop bounds over a union of per-row ranges [lo, hi), in steps of BLOCK.
+
+    Returns (start, end_unmasked, end): steps starting before end_unmasked lie inside every row's
+    range (only when all rows share lo, i.e. the tile does not straddle two sequences).
+    """
+    start = tl.min(tl.where(valid, lo, 2147483647), 0)
+    end = tl.max(tl.where(valid, hi, 0), 0)
+    common_hi = tl.min(tl.where(valid, hi, 2147483647), 0)
+    uniform = tl.max(tl.where(valid, lo, 0), 0) == start
+    n_full = tl.where(uniform, tl.maximum(common_hi - start, 0) // BLOCK, 0)
+    return start, start + n_full * BLOCK, end
+
+
+# --------------------------------------------------------------------------------------------
+# Forward: o = softmax(q k_cmp^T * scale) v_cmp over the visible rows, lse per row
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_step(q, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, m_i, l_i, acc, qk_scale,
+              DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    cols = n0 + tl.arange(0, BLOCK_N)
+    inb = cols < end
+    k = _load_keys(k_ptr, cols, skn, DK, DK_PAD, inb)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 units
+    if MASKED:
+        vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen nothing yet keeps m = -inf; shift by 0 instead to avoid inf - inf
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    v = _load_keys(v_ptr, cols, svn, DV, DV_PAD, inb)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, SEQ, POS, CMP_CU,
+                sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sob, sot, soh,
+                T, NC, H, G, HQ, qk_scale,
+                L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
+                G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+                PREC: tl.constexpr):
+    b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
+    kvh = tl.program_id(1) % H
+    tok, head, valid = _query_rows(tl.program_id(0) * TOK, T, G, TOK, G_PAD)
+    hq = kvh * G + head
+    q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
+    lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
+    k_ptr = K + b * skb + kvh * skh
+    v_ptr = V + b * svb + kvh * svh
+
+    m_i = tl.full([TOK * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([TOK * G_PAD], tl.float32)
+    acc = tl.zeros([TOK * G_PAD, DV_PAD], tl.float32)
+    start, mid, end = _tile_span(lo, hi, valid, BLOCK_N)
+    for n0 in range(start, mid, BLOCK_N):
+        m_i, l_i, acc = _fwd_step(q, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, m_i, l_i, acc,
+                                  qk_scale, DK, DV, DK_PAD, DV_PAD, BLOCK_N, False, PREC)
+    for n0 in range(mid, end, BLOCK_N):
+        m_i, l_i, acc = _fwd_step(q, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, m_i, l_i, acc,
+                                  qk_scale, DK, DV, DK_PAD, DV_PAD, BLOCK_N, True, PREC)
+
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    d = tl.arange(0, DV_PAD)
+    o_offs = b * sob + tok.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :]
+    tl.store(O + o_offs, o.to(O.dtype.element_ty), mask=valid[:, None] & (d[None, :] < DV))
+    tl.store(LSE + (b * T + tok) * HQ + hq, lse, mask=valid)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward: delta preprocessing, dq (query-centric) and dk/dv (key-centric)
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _delta_kernel(O, DO, DLSE, DELTA, sob, sot, soh, sdb, sdt, sdh, T, HQ,
+                  DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                  HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse, fp32 [B, T, HQ] (dS = P * (dP - delta))."""
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    valid = r < T * HQ
+    tok = r // HQ
+    hq = r % HQ
+    o = _load_rows(O + b * sob, tok, hq, sot, soh, DV, DV_PAD, valid).to(tl.float32)
+    do = _load_rows(DO + b * sdb, tok, hq, sdt, sdh, DV, DV_PAD, valid).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + b * T * HQ + r, mask=valid, other=0.0)
+    tl.store(DELTA + b * T * HQ + r, delta, mask=valid)
+
+
+@triton.jit
+def _dq_step(q, do, lse2, delta, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, dq, qk_scale,
+             DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+             BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    cols = n0 + tl.arange(0, BLOCK_N)
+    inb = cols < end
+    k = _load_keys(k_ptr, cols, skn, DK, DK_PAD, inb)
+    v = _load_keys(v_ptr, cols, svn, DV, DV_PAD, inb)
+    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
+    if MASKED:
+        vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+        p = tl.where(vis, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEQ, POS, CMP_CU,
+               sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sdb, sdt, sdh, sgb, sgt, sgh,
+               T, NC, H, G, HQ, scale, qk_scale,
+               L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
+               G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+               PREC: tl.constexpr):
+    b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
+    kvh = tl.program_id(1) % H
+    tok, head, valid = _query_rows(tl.program_id(0) * TOK, T, G, TOK, G_PAD)
+    hq = kvh * G + head
+    q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
+    do = _load_rows(DO + b * sdb, tok, hq, sdt, sdh, DV, DV_PAD, valid)
+    lse = _row_stats(LSE + b * T * HQ, tok, hq, HQ, valid)
+    # rows that see nothing have lse = -inf; their p is masked, keep the exponent finite
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E
+    delta = _row_stats(DELTA + b * T * HQ, tok, hq, HQ, valid)
+    lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
+    k_ptr = K + b * skb + kvh * skh
+    v_ptr = V + b * svb + kvh * svh
+
+    dq = tl.zeros([TOK * G_PAD, DK_PAD], tl.float32)
+    start, mid, end = _tile_span(lo, hi, valid, BLOCK_N)
+    for n0 in range(start, mid, BLOCK_N):
+        dq = _dq_step(q, do, lse2, delta, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, dq, qk_scale,
+                      DK, DV, DK_PAD, DV_PAD, BLOCK_N, False, PREC)
+    for n0 in range(mid, end, BLOCK_N):
+        dq = _dq_step(q, do, lse2, delta, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, dq, qk_scale,
+                      DK, DV, DK_PAD, DV_PAD, BLOCK_N, True, PREC)
+
+    d = tl.arange(0, DK_PAD)
+    offs = b * sgb + tok.to(tl.int64)[:, None] * sgt + hq[:, None] * sgh + d[None, :]
+    tl.store(DQ + offs, (dq * scale).to(DQ.dtype.element_ty),
+             mask=valid[:, None] & (d[None, :] < DK))
+
+
+@triton.jit
+def _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, L: tl.constexpr, STRIDE: tl.constexpr,
+                 VARLEN: tl.constexpr):
+    """Tokens [first, end) that see compressed row c: its sequence from block end i*d + l - 1 on."""
+    if VARLEN:
+        seq = tl.load(KSEQ + c, mask=cvalid, other=0)
+        idx = tl.load(KIDX + c, mask=cvalid, other=0)
+        seq_start = tl.load(CU + seq, mask=cvalid, other=0)
+        seq_end = tl.load(CU + seq + 1, mask=cvalid, other=0)
+        return seq_start + idx * STRIDE + L - 1, seq_end
+    return c * STRIDE + L - 1, tl.zeros_like(c) + T
+
+
+@triton.jit
+def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, sqt, sqh, sdt, sdh,
+               kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU,
+               L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+               DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
+               G_PAD: tl.constexpr, MASKED: tl.constexpr, VARLEN: tl.constexpr,
+               PREC: tl.constexpr):
+    tok, head, valid = _query_rows(t0, T, G, TOK, G_PAD)
+    hq = kvh * G + head
+    q = _load_rows(Q, tok, hq, sqt, sqh, DK, DK_PAD, valid)
+    do = _load_rows(DO, tok, hq, sdt, sdh, DV, DV_PAD, valid)
+    lse = _row_stats(LSE, tok, hq, HQ, valid)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E
+    delta = _row_stats(DELTA, tok, hq, HQ, valid)
+    # transposed scores [keys, rows]: dv and dk come out of the dots directly. Unmasked tiles
+    # skip the row mask: padded head rows load q = dO = lse = delta = 0 and add exactly nothing.
+    p = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse2[None, :])
+    if MASKED:
+        lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
+        vis = (c[:, None] >= lo[None, :]) & (c[:, None] < hi[None, :]) & valid[None, :]
+        p = tl.where(vis, p, 0.0)
+    dv += tl.dot(p.to(do.dtype), do, input_precision=PREC)
+    dp = tl.dot(v, tl.trans(do), input_precision=PREC)
+    ds = p * (dp - delta[None, :])
+    dk += tl.dot(ds.to(q.dtype), q, input_precision=PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ, KIDX, CU,
+                 sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sdb, sdt, sdh,
+                 sgkb, sgkn, sgkh, sgvb, sgvn, sgvh,
+                 T, NC, H, G, HQ, scale, qk_scale,
+                 L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
+                 G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+                 PREC: tl.constexpr):
+    b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
+    kvh = tl.program_id(1) % H
+    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cvalid = c < NC
+    k = _load_keys(K + b * skb + kvh * skh, c, skn, DK, DK_PAD, cvalid)
+    v = _load_keys(V + b * svb + kvh * svh, c, svn, DV, DV_PAD, cvalid)
+    first, end = _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, L, STRIDE, VARLEN)
+
+    # token tiles from q_start: [q_start, full_lo) masked, then whole tiles inside
+    # [full_lo, full_hi) (every token sees every key of the tile) unmasked, then the rest masked
+    q_start = tl.min(tl.where(cvalid, first, T), 0)
+    q_end = tl.max(tl.where(cvalid, end, 0), 0)
+    full_lo = tl.max(tl.where(cvalid, first, 0), 0)
+    full_hi = tl.min(tl.where(cvalid, end, T), 0)
+    n_pre = tl.cdiv(tl.maximum(full_lo - q_start, 0), TOK)
+    mid_lo = q_start + n_pre * TOK
+    mid_hi = mid_lo + tl.maximum(full_hi - mid_lo, 0) // TOK * TOK
+
+    qp, dop = Q + b * sqb, DO + b * sdb
+    lsep, deltap = LSE + b * T * HQ, DELTA + b * T * HQ
+    dk = tl.zeros([BLOCK_N, DK_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, DV_PAD], tl.float32)
+    for t0 in range(q_start, mid_lo, TOK):
+        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
+                            kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
+                            DK_PAD, DV_PAD, TOK, G_PAD, True, VARLEN, PREC)
+    for t0 in range(mid_lo, mid_hi, TOK):
+        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
+                            kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
+                            DK_PAD, DV_PAD, TOK, G_PAD, False, VARLEN, PREC)
+    for t0 in range(mid_hi, q_end, TOK):
+        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
+                            kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
+                            DK_PAD, DV_PAD, TOK, G_PAD, True, VARLEN, PREC)
+
+    dk_offs = b * sgkb + kvh * sgkh + c[:, None] * sgkn + tl.arange(0, DK_PAD)[None, :]
+    dv_offs = b * sgvb + kvh * sgvh + c[:, None] * sgvn + tl.arange(0, DV_PAD)[None, :]
+    tl.store(DK_OUT + dk_offs, (dk * scale).to(DK_OUT.dtype.element_ty),
+             mask=cvalid[:, None] & (tl.arange(0, DK_PAD)[None, :] < DK))
+    tl.store(DV_OUT + dv_offs, dv.to(DV_OUT.dtype.element_ty),
+             mask=cvalid[:, None] & (tl.arange(0, DV_PAD)[None, :] < DV))
+
+
+# --------------------------------------------------------------------------------------------
+# Block selection: Eq.9 + Eq.10 scores in registers, then in-kernel top-n
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
+                L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, DK: tl.constexpr,
+                DK_PAD: tl.constexpr, TOK: tl.constexpr, G_PAD: tl.constexpr,
+                SB: tl.constexpr, PREC: tl.constexpr):
+    """Group-summed Eq.9 scores [TOK, SB] of the selection blocks j (one sequence's rows).
+
+    Selection block j overlaps exactly the compressed blocks i = j*R - HEAD + o, o in [0, HEAD + R):
+    HEAD = l/d - 1 blocks that start in earlier selection blocks, then the R = l'/d starting in it.
+    So each o is one strided [SB] key tile (the HEAD shared ones are recomputed), and the overlap
+    weight is exact integer arithmetic on block extents.
+    """
+    HEAD: tl.constexpr = L // STRIDE - 1
+    R: tl.constexpr = SEL // STRIDE
+    tile = tl.zeros([TOK, SB], tl.float32)
+    for o in tl.static_range(HEAD + R):
+        kr = j * R - HEAD + o  # block index inside the sequence
+        k = _load_keys(k_ptr, base + kr, skn, DK, DK_PAD, (kr >= 0) & (kr < ncmp))
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        vis = rvalid[:, None] & (kr[None, :] >= 0) & (kr[None, :] < nvis[:, None])
+        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        start = kr * STRIDE
+        overlap = tl.minimum(start + L, (j + 1) * SEL) - tl.maximum(start, j * SEL)
+        w = tl.maximum(overlap, 0).to(tl.float32) / L
+        tile += tl.sum(tl.reshape(p * w[None, :], (TOK, G_PAD, SB)), 1)
+    return tile
+
+
+@triton.jit
+def _score_sequence(acc, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k_ptr, skn,
+                    qk_scale, L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr,
+                    DK: tl.constexpr, DK_PAD: tl.constexpr, TOK: tl.constexpr,
+                    G_PAD: tl.constexpr, SB: tl.constexpr, NBLK_PAD: tl.constexpr,
+                    VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """Adds the scores of the tile's rows that belong to sequence seq_id into acc [TOK, NT, SB]."""
+    lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
+    seq, _ = _token_pos(tok, T, SEQ, POS, VARLEN)
+    rvalid = valid & (seq == seq_id)
+    nvis = hi - lo
+    if VARLEN:
+        base = tl.load(CMP_CU + seq_id)
+        ncmp = tl.load(CMP_CU + seq_id + 1) - base
+    else:
+        base = 0
+        ncmp = NC
+    # selection blocks past the last visible compressed block score 0: stop there
+    R: tl.constexpr = SEL // STRIDE
+    max_vis = tl.max(tl.where(rvalid, nvis, 0), 0)
+    n_blk = tl.where(max_vis > 0, (max_vis + L // STRIDE - 2) // R + 1, 0)
+    slot = tl.arange(0, NBLK_PAD // SB)
+    for it in range(0, tl.cdiv(n_blk, SB)):
+        j = it * SB + tl.arange(0, SB)
+        tile = _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
+                           L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
+        acc += tl.where((slot == it)[None, :, None], tile[:, None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _top_n(score, pos, SEL: tl.constexpr, NSEL: tl.constexpr, NBLK_PAD: tl.constexpr):
+    """Chosen-block mask [TOK, NBLK_PAD]: forced 0 and local blocks, then the best scores (ties to
+    the lower index), n rounds of argmax."""
+    j = tl.arange(0, NBLK_PAD)[None, :]
+    cur = (pos // SEL)[:, None]
+    allowed = j * SEL <= pos[:, None]
+    forced = allowed & ((j == 0) | (j == cur) | (j == cur - 1))
+    key = tl.where(forced, float("inf"), tl.where(allowed, score, float("-inf")))
+    chosen = tl.zeros(score.shape, tl.int1)
+    for _ in range(NSEL):
+        best, arg = tl.max(key, 1, return_indices=True, return_indices_tie_break_left=True)
+        hit = (j == arg[:, None]) & (best > float("-inf"))[:, None]
+        chosen = chosen | hit
+        key = tl.where(hit, float("-inf"), key)
+    return chosen
+
+
+@triton.jit
+def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
+                   sqb, sqt, sqh, skb, skn, skh, sob, sot, soh,
+                   T, NC, H, G, HQ, qk_scale,
+                   L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, NSEL: tl.constexpr,
+                   NSEL_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
+                   TOK: tl.constexpr, G_PAD: tl.constexpr, SB: tl.constexpr,
+                   NBLK_PAD: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
+    kvh = tl.program_id(1) % H
+    t0 = tl.program_id(0) * TOK
+    tok, head, valid = _query_rows(t0, T, G, TOK, G_PAD)
+    hq = kvh * G + head
+    q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
+    lse = _row_stats(LSE + b * T * HQ, tok, hq, HQ, valid)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E
+    k_ptr = K + b * skb + kvh * skh
+
+    # a varlen tile may straddle sequences: score each one with its own block numbering
+    seq_first, _ = _token_pos(t0, T, SEQ, POS, VARLEN)
+    seq_last, _ = _token_pos(tl.minimum(t0 + TOK, T) - 1, T, SEQ, POS, VARLEN)
+    acc = tl.zeros([TOK, NBLK_PAD // SB, SB], tl.float32)
+    for seq_id in range(seq_first, seq_last + 1):
+        acc = _score_sequence(acc, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k_ptr,
+                              skn, qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB,
+                              NBLK_PAD, VARLEN, PREC)
+
+    t = t0 + tl.arange(0, TOK)
+    _, pos = _token_pos(t, T, SEQ, POS, VARLEN)
+    chosen = _top_n(tl.reshape(acc, (TOK, NBLK_PAD)), pos, SEL, NSEL, NBLK_PAD)
+    # ascending output without a sort: a chosen block's slot is its rank among the chosen
+    rank = tl.cumsum(chosen.to(tl.int32), 1) - 1
+    count = tl.sum(chosen.to(tl.int32), 1)
+    out = OUT + b * sob + t[:, None] * sot + kvh * soh
+    j = tl.arange(0, NBLK_PAD)[None, :]
+    tl.store(out + rank, j + tl.zeros_like(rank), mask=chosen & (t < T)[:, None])
+    slot = tl.arange(0, NSEL_PAD)[None, :]
+    empty = (slot >= count[:, None]) & (slot < NSEL) & (t < T)[:, None]
+    tl.store(out + slot, tl.full([TOK, NSEL_PAD], -1, tl.int32), mask=empty)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: layouts and configs (no device-to-host reads)
+# --------------------------------------------------------------------------------------------
+
+class _Layout(NamedTuple):
+    """Varlen index arrays (int32, device); all None for fixed-length batches."""
+    seq: Optional[Tensor] = None      # [T] sequence of each packed token
+    pos: Optional[Tensor] = None      # [T] position inside its sequence
+    cmp_cu: Optional[Tensor] = None   # [N+1] first compressed row of each sequence
+    key_seq: Optional[Tensor] = None  # [NC] sequence of each compressed row
+    key_idx: Optional[Tensor] = None  # [NC] block index inside its sequence
+    cu: Optional[Tensor] = None       # [N+1] cu_seqlens
+
+    @property
+    def varlen(self) -> bool:
+        return self.seq is not None
+
+
+def _layout(T: int, NC: int, block_len: int, block_stride: int, cu_seqlens: Optional[Tensor],
+            device, with_keys: bool = False) -> _Layout:
+    if cu_seqlens is None:
+        return _Layout()
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    seq, pos = token_layout(T, cu, device)
+    counts = num_cmp(cu[1:] - cu[:-1], block_len, block_stride)
+    cmp_cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    i32 = torch.int32
+    key_seq = key_idx = None
+    if with_keys:
+        key_seq, key_idx = (x.to(i32) for x in cmp_layout(NC, cu, block_len, block_stride, device))
+    return _Layout(seq.to(i32), pos.to(i32), cmp_cu.to(i32), key_seq, key_idx, cu.to(i32))
+
+
+class _Cfg(NamedTuple):
+    tok: int        # query tokens per program
+    g_pad: int      # rows per token (heads of the group, padded to a power of two)
+    block_n: int    # compressed rows per key tile
+    num_warps: int
+
+
+# (query rows, key rows, warps) per kernel and tier, the tier being the padded head-row size in
+# bytes (_tier). Tiers 0 and 1 cover fp16/bf16 head dims <= 128 and <= 256 and compile for sm_90
+# without register spills. fp32 (ieee dots: a correctness path, not tuned) lands a tier higher;
+# tier 2 only keeps it within shared memory. Query rows are TOK * G_PAD: TOK shrinks as G grows.
+_TILES = {
+    "fwd": ((128, 64, 8), (64, 32, 8), (32, 32, 8)),
+    "dq": ((64, 64, 8), (32, 64, 8), (32, 32, 8)),
+    "dkdv": ((64, 32, 8), (32, 32, 8), (32, 16, 8)),
+}
+# select_blocks per tier: (query rows, selection blocks scored per step), 8 warps
+_SELECT_TILES = ((64, 64), (64, 32), (32, 16))
+
+
+def _tier(dtype: torch.dtype, *dims: int) -> int:
+    """0 / 1 / 2 for padded head rows of <= 256 / <= 512 / more bytes."""
+    row_bytes = _pad(max(dims)) * dtype.itemsize
+    return 0 if row_bytes <= 256 else 1 if row_bytes <= 512 else 2
+
+
+def _rows_cfg(G: int, rows: int) -> tuple[int, int]:
+    """(TOK, G_PAD): TOK * G_PAD == max(rows, G_PAD) rows, every row of a token in one program."""
+    g_pad = triton.next_power_of_2(G)
+    return max(1, rows // g_pad), g_pad
+
+
+def _attn_cfg(kind: str, G: int, tier: int) -> _Cfg:
+    rows, block_n, num_warps = _TILES[kind][tier]
+    return _Cfg(*_rows_cfg(G, rows), block_n, num_warps)
+
+
+def _select_cfg(G: int, tier: int, nblk_pad: int) -> tuple[int, int, int]:
+    """(TOK, G_PAD, SB): TOK * NBLK_PAD fp32 scores fit the register budget, >= 16 dot rows."""
+    rows, sb = _SELECT_TILES[tier]
+    tok, g_pad = _rows_cfg(G, rows)
+    tok = max(1, min(tok, _SCORE_BUDGET // nblk_pad))
+    g_pad = max(g_pad, 16 // tok)
+    return tok, g_pad, min(sb, nblk_pad)
+
+
+def _dims(q: Tensor, k: Tensor, v: Optional[Tensor] = None):
+    B, T, HQ, DK = q.shape
+    NC, H = k.shape[1], k.shape[2]
+    if HQ % H:
+        raise ValueError(f"query heads {HQ} not a multiple of KV heads {H}")
+    DV = v.shape[3] if v is not None else DK
+    return B, T, HQ, H, HQ // H, NC, DK, DV
+
+
+def _check(block_len: int, block_stride: int, cu_seqlens: Optional[Tensor], B: int,
+           sel_block: Optional[int] = None):
+    if block_len % block_stride or (sel_block is not None and sel_block % block_stride):
+        raise ValueError("block_stride must divide block_len and sel_block")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError("varlen input (cu_seqlens) needs batch size 1")
+
+
+def _lastdim_contig(*xs: Tensor) -> list[Tensor]:
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
+def _prec(dtype: torch.dtype) -> Optional[str]:
+    """fp32 inputs get true fp32 dots (no tf32), matching the reference to ~1e-6."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _s(x: Tensor, *dims: int) -> list[int]:
+    return [x.stride(d) for d in dims]
+
+
+def _pad(D: int) -> int:
+    """Head dims pad to a power of two, at least tl.dot's minimum of 16."""
+    return max(16, triton.next_power_of_2(D))
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len: int,
+                             block_stride: int, scale: float,
+                             cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Compressed-branch attention. Returns o [B,T,HQ,Dv] (q.dtype) and lse fp32 [B,T,HQ]."""
+    B, T, HQ, H, G, NC, DK, DV = _dims(q, k_cmp, v_cmp)
+    _check(block_len, block_stride, cu_seqlens, B)
+    q, k_cmp, v_cmp = _lastdim_contig(q, k_cmp, v_cmp)
+    o = torch.empty(B, T, HQ, DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    if B * T * HQ == 0:
+        return o, lse
+    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device)
+    cfg = _attn_cfg("fwd", G, _tier(q.dtype, DK, DV))
+    _fwd_kernel[(triton.cdiv(T, cfg.tok), B * H)](
+        q, k_cmp, v_cmp, o, lse, lay.seq, lay.pos, lay.cmp_cu,
+        *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(o, 0, 1, 2),
+        T, NC, H, G, HQ, scale * LOG2E,
+        L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK), DV_PAD=_pad(DV),
+        TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, VARLEN=lay.varlen,
+        PREC=_prec(q.dtype), num_warps=cfg.num_warps)
+    return o, lse
+
+
+def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
+    """rowsum(dO * O) - dlse as fp32 [B, T, HQ]."""
+    B, T, HQ, DV = o.shape
+    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=o.device)
+    block_r = max(16, 4096 // _pad(DV))
+    dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
+    _delta_kernel[(triton.cdiv(T * HQ, block_r), B)](
+        o, do, dlse, delta, *_s(o, 0, 1, 2), *_s(do, 0, 1, 2), T, HQ,
+        DV=DV, DV_PAD=_pad(DV), BLOCK_R=block_r, HAS_DLSE=dlse is not None)
+    return delta
+
+
+def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor, lse: Tensor,
+                             do: Tensor, dlse: Optional[Tensor], block_len: int,
+                             block_stride: int, scale: float,
+                             cu_seqlens: Optional[Tensor] = None
+                             ) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of compressed_attention_fwd: dS = P * (dO v^T - rowsum(dO * O) + dlse)."""
+    B, T, HQ, H, G, NC, DK, DV = _dims(q, k_cmp, v_cmp)
+    _check(block_len, block_stride, cu_seqlens, B)
+    q, k_cmp, v_cmp, o, do = _lastdim_contig(q, k_cmp, v_cmp, o, do)
+    lse = lse.to(torch.float32).contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k_cmp)
+    dv = torch.empty_like(v_cmp)
+    if B * T * HQ == 0:
+        return dq, dk.zero_(), dv.zero_()
+    delta = _delta(o, do, dlse)
+    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, with_keys=True)
+    common = dict(L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK),
+                  DV_PAD=_pad(DV), VARLEN=lay.varlen, PREC=_prec(q.dtype))
+    tier = _tier(q.dtype, DK, DV)
+    cfg = _attn_cfg("dq", G, tier)
+    _dq_kernel[(triton.cdiv(T, cfg.tok), B * H)](
+        q, k_cmp, v_cmp, do, lse, delta, dq, lay.seq, lay.pos, lay.cmp_cu,
+        *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
+        *_s(dq, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
+        TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
+    if NC > 0:
+        cfg = _attn_cfg("dkdv", G, tier)
+        _dkdv_kernel[(triton.cdiv(NC, cfg.block_n), B * H)](
+            q, k_cmp, v_cmp, do, lse, delta, dk, dv, lay.seq, lay.pos, lay.cmp_cu,
+            lay.key_seq, lay.key_idx, lay.cu,
+            *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
+            *_s(dk, 0, 1, 2), *_s(dv, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
+            TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            **common)
+    return dq, dk, dv
+
+
+def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
+                  sel_block: int, num_sel: int, scale: float,
+                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """Top-n selection blocks per (token, KV head): int32 [B,T,H,num_sel], ascending, -1 last."""
+    B, T, HQ, H, G, NC, DK, _ = _dims(q, k_cmp)
+    _check(block_len, block_stride, cu_seqlens, B, sel_block)
+    q, k_cmp = _lastdim_contig(q, k_cmp)
+    lse = lse.to(torch.float32).contiguous()
+    out = torch.empty(B, T, H, num_sel, dtype=torch.int32, device=q.device)
+    if B * T * H * num_sel == 0:
+        return out
+    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device)
+    nblk_pad = max(16, triton.next_power_of_2(triton.cdiv(T, sel_block)))
+    tok, g_pad, sb = _select_cfg(G, _tier(q.dtype, DK), nblk_pad)
+    _select_kernel[(triton.cdiv(T, tok), B * H)](
+        q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
+        *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
+        T, NC, H, G, HQ, scale * LOG2E,
+        L=block_len, STRIDE=block_stride, SEL=sel_block, NSEL=num_sel,
+        NSEL_PAD=triton.next_power_of_2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
+        SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=_prec(q.dtype), num_warps=8)
+    return out

@@ -1,0 +1,320 @@
+"""Triton compressed-branch kernels (nsa_ops.kernels.compressed) against nsa_ops.reference.
+
+Without CUDA the kernels run in the Triton interpreter (conftest), which is slow: the CPU cases are
+small and hand-picked to cover B in {1,2}, T not a multiple of any block, G in {1,2,4}, Dk != Dv,
+four (l, d, l') layouts, n in {3,5,6} and varlen with a sequence shorter than l; they run on CUDA
+too when present. Reference values are computed in float64 from the same (possibly low-precision)
+inputs. The interpreter's argmax ignores the tie-break mode, so test_select_blocks_ties only checks
+the kernel's tie-break on a GPU. The @pytest.mark.gpu cases use realistic shapes in fp16/bf16 and
+compare relative errors against a float32 reference.
+"""
+import contextlib
+
+import pytest
+import torch
+
+from nsa_ops import reference as ref
+from nsa_ops.kernels import compressed as kc
+
+# per dtype: |kernel - reference| <= ATOL * (1 + |reference|)
+ATOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+# relative Frobenius error on GPU against the float32 reference
+RTOL_GPU = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+# (B, T, H, G, Dk, Dv, l, d)
+CASES = [
+    (1, 70, 2, 1, 16, 16, 32, 16),
+    (2, 133, 1, 2, 32, 16, 32, 16),
+    (1, 133, 2, 4, 16, 16, 16, 16),
+    (2, 70, 1, 4, 32, 16, 16, 8),
+    (1, 133, 1, 2, 16, 16, 16, 8),
+    (1, 20, 2, 2, 16, 16, 32, 16),  # T < l: no compressed block at all
+]
+CASE_IDS = ["B{}-T{}-H{}-G{}-Dk{}-Dv{}-l{}-d{}".format(*c) for c in CASES]
+# varlen: lengths 10 (< l), 130, 93; (H, G, Dk, Dv, l, d)
+VARLEN_CU = [0, 10, 140, 233]
+VARLEN_CASES = [(2, 2, 32, 16, 16, 8), (1, 4, 16, 16, 32, 16)]
+VARLEN_IDS = ["H{}-G{}-Dk{}-Dv{}-l{}-d{}".format(*c) for c in VARLEN_CASES]
+# selection needs more blocks than the 3 forced ones to be tested: (B, T, H, G, Dk, l, d, l', n)
+SEL_CASES = [
+    (1, 700, 1, 2, 16, 32, 16, 64, 5),
+    (2, 333, 2, 1, 32, 16, 16, 16, 5),
+    (1, 261, 1, 4, 16, 16, 8, 32, 3),
+    (2, 150, 2, 2, 32, 16, 8, 16, 5),
+    (1, 20, 2, 2, 16, 32, 16, 64, 3),
+]
+SEL_IDS = ["B{}-T{}-H{}-G{}-Dk{}-l{}-d{}-s{}-n{}".format(*c) for c in SEL_CASES]
+
+
+def _device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(B, T, H, G, Dk, Dv, l, d, dtype, cu=None, device=None, seed=0):
+    device = device or _device()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    nc = ref.num_cmp(T, l, d) if cu is None else ref.total_cmp(cu, l, d)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+    # q is a view into a wider tensor (fused-projection layout): exercises the strides
+    q = rnd(B, T, H * G, Dk + 8)[..., :Dk]
+    return q, rnd(B, nc, H, Dk), rnd(B, nc, H, Dv)
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty / empty_like return NaN (floats) or -7 (ints): unwritten outputs show up."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(x):
+        return x.fill_(float("nan") if x.is_floating_point() else -7)
+    torch.empty = lambda *a, **k: poison(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def f64(*xs):
+    return [None if x is None else x.double() for x in xs]
+
+
+def assert_close(name, got, want, atol):
+    assert got.shape == want.shape, name
+    if got.numel() == 0:
+        return
+    assert not got.isnan().any(), f"{name}: NaN"
+    same_inf = torch.isinf(want) & (got.double() == want)
+    err = torch.where(same_inf, 0.0, (got.double() - want).abs())
+    bound = atol * (1 + torch.where(same_inf, 0.0, want.abs()))
+    worst = (err / bound).max().item()
+    assert worst <= 1, f"{name}: error {worst:.3g} x tolerance"
+
+
+def check_attention(q, k, v, l, d, cu, atol, with_dlse, seed=1):
+    scale = q.shape[-1] ** -0.5
+    with poisoned_empty():
+        o, lse = kc.compressed_attention_fwd(q, k, v, l, d, scale, cu)
+    qd, kd, vd = f64(q, k, v)
+    o_ref, lse_ref = ref.compressed_attention(qd, kd, vd, l, d, scale, cu)
+    assert o.dtype == q.dtype and lse.dtype == torch.float32
+    assert_close("o", o, o_ref, atol)
+    assert_close("lse", lse, lse_ref, atol)
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen).to(o)
+    dlse = torch.randn(lse.shape, generator=gen).to(lse) if with_dlse else None
+    with poisoned_empty():
+        grads = kc.compressed_attention_bwd(q, k, v, o, lse, do, dlse, l, d, scale, cu)
+    grads_ref = ref.compressed_attention_backward(qd, kd, vd, o_ref, lse_ref, *f64(do, dlse),
+                                                  l, d, scale, cu)
+    for name, g, g_ref, x in zip(("dq", "dk", "dv"), grads, grads_ref, (q, k, v)):
+        assert g.dtype == x.dtype
+        assert_close(name, g, g_ref, atol)
+
+
+# --------------------------------------------------------------------------------------------
+# Selection checks
+# --------------------------------------------------------------------------------------------
+
+def reference_scores(q, k, lse, l, d, sel, scale, cu, chunk=512):
+    """Eq.9 + Eq.10 scores [B, T, H, nblk] in float64, straight from the definitions."""
+    B, T, HQ, D = q.shape
+    nc, H = k.shape[1], k.shape[2]
+    q, k, lse = f64(q.view(B, T, H, HQ // H, D), k, lse.view(B, T, H, HQ // H, 1))
+    mask_fn = ref.compressed_mask_fn(T, nc, l, d, cu, q.device)
+    _, cidx = ref.cmp_layout(nc, cu, l, d, q.device)
+    overlap = ref.overlap_matrix(cidx, l, d, sel, max(1, -(-T // sel))).double()
+    out = []
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        s = torch.einsum("bthgd,bshd->bthgs", q[:, t0:t1], k) * scale
+        mask = mask_fn(t0, t1)[0, 0][None, :, None, None]  # [1, tc, 1, 1, nc]
+        lse_c = lse[:, t0:t1]
+        p = torch.where(mask & torch.isfinite(lse_c), torch.exp(s - lse_c), 0.0)
+        out.append(p.sum(3) @ overlap)
+    return torch.cat(out, 1)
+
+
+def check_selection_property(block_idx, score, pos, sel, n, tol):
+    """Structure of block_idx plus: no unselected block outscores a selected non-forced one."""
+    nblk = score.shape[-1]
+    j = torch.arange(nblk, device=score.device)
+    cur = (pos // sel)[:, None]
+    allowed = (j[None] * sel <= pos[:, None])[None, :, None]  # [1, T, 1, nblk]
+    forced = allowed & ((j == 0) | (j == cur) | (j == cur - 1))[None, :, None]
+
+    taken = block_idx >= 0
+    count = taken.sum(-1)
+    assert torch.equal(count, allowed.sum(-1).clamp(max=n).expand_as(count)), "wrong slot count"
+    slot = torch.arange(n, device=score.device)
+    assert torch.equal(taken, slot < count[..., None]), "-1 must come last"
+    assert (block_idx[..., 1:] > block_idx[..., :-1])[taken[..., 1:]].all(), "not ascending"
+
+    onehot = torch.zeros(*block_idx.shape[:-1], nblk + 1, dtype=torch.bool, device=score.device)
+    onehot.scatter_(-1, torch.where(taken, block_idx, nblk).long(), True)
+    chosen = onehot[..., :nblk]
+    assert not (chosen & ~allowed).any(), "selected a future block"
+    assert not (forced & ~chosen).any(), "forced block missing"
+    worst_kept = torch.where(chosen & ~forced, score, float("inf")).amin(-1)
+    best_left = torch.where(allowed & ~chosen, score, float("-inf")).amax(-1)
+    gap = (best_left - worst_kept).max().item()
+    assert gap <= tol, f"an unselected block outscores a selected one by {gap:.3g}"
+
+
+def check_selection(q, k, lse, l, d, sel, n, cu, exact, tol):
+    scale = q.shape[-1] ** -0.5
+    with poisoned_empty():
+        block_idx = kc.select_blocks(q, k, lse, l, d, sel, n, scale, cu)
+    assert block_idx.dtype == torch.int32 and block_idx.shape == (*q.shape[:2], k.shape[2], n)
+    if exact:
+        want = ref.select_blocks(q, k, lse, l, d, sel, n, scale, cu)
+        assert torch.equal(block_idx, want), f"{(block_idx != want).sum().item()} entries differ"
+    _, pos = ref.token_layout(q.shape[1], cu, q.device)
+    score = reference_scores(q, k, lse, l, d, sel, scale, cu)
+    check_selection_property(block_idx, score, pos, sel, n, tol)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU (interpreter) tests
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_attention(case, dtype):
+    B, T, H, G, Dk, Dv, l, d = case
+    q, k, v = make_inputs(B, T, H, G, Dk, Dv, l, d, dtype)
+    check_attention(q, k, v, l, d, None, ATOL[dtype], with_dlse=G != 2)  # G=2 cases: dlse None
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=VARLEN_IDS)
+def test_attention_varlen(case):
+    H, G, Dk, Dv, l, d = case
+    cu = torch.tensor(VARLEN_CU, dtype=torch.int32, device=_device())
+    q, k, v = make_inputs(1, VARLEN_CU[-1], H, G, Dk, Dv, l, d, torch.float32, cu)
+    check_attention(q, k, v, l, d, cu, ATOL[torch.float32], with_dlse=True)
+
+
+def _cmp_lse(q, k, v, l, d, cu):
+    return kc.compressed_attention_fwd(q, k, v, l, d, q.shape[-1] ** -0.5, cu)[1]
+
+
+@pytest.mark.parametrize("case", SEL_CASES, ids=SEL_IDS)
+def test_select_blocks(case):
+    B, T, H, G, Dk, l, d, sel, n = case
+    q, k, v = make_inputs(B, T, H, G, Dk, 16, l, d, torch.float32, seed=2)
+    check_selection(q, k, _cmp_lse(q, k, v, l, d, None), l, d, sel, n, None, exact=True, tol=1e-5)
+
+
+@pytest.mark.parametrize("case", SEL_CASES[:2], ids=SEL_IDS[:2])
+def test_select_blocks_fp16(case):
+    B, T, H, G, Dk, l, d, sel, n = case
+    q, k, v = make_inputs(B, T, H, G, Dk, 16, l, d, torch.float16, seed=3)
+    check_selection(q, k, _cmp_lse(q, k, v, l, d, None), l, d, sel, n, None, exact=False,
+                    tol=1e-4)
+
+
+# lengths 130, 7 (< l), 163: with G = 1 one program holds 64 tokens, so a tile straddles all three
+# sequences and the third one's tokens there already choose among more than the forced blocks
+SEL_VARLEN_CU = [0, 130, 137, 300]
+
+
+@pytest.mark.parametrize("G,l,d,sel,n", [(1, 16, 8, 8, 5), (4, 32, 16, 16, 3)])
+def test_select_blocks_varlen(G, l, d, sel, n):
+    cu = torch.tensor(SEL_VARLEN_CU, dtype=torch.int32, device=_device())
+    q, k, v = make_inputs(1, SEL_VARLEN_CU[-1], 2, G, 32, 16, l, d, torch.float32, cu, seed=4)
+    check_selection(q, k, _cmp_lse(q, k, v, l, d, cu), l, d, sel, n, cu, exact=True, tol=1e-5)
+
+
+def test_select_blocks_ties():
+    """Identical compressed keys make fully visible blocks tie exactly: the lower index wins."""
+    B, T, H, G, Dk, l, d, sel, n = 1, 200, 2, 2, 16, 16, 8, 16, 6
+    q, k, v = make_inputs(B, T, H, G, Dk, 16, l, d, torch.float32, seed=6)
+    k = k[:, :1].expand_as(k).contiguous()
+    scale = Dk ** -0.5
+    lse = _cmp_lse(q, k, v, l, d, None)
+    block_idx = kc.select_blocks(q, k, lse, l, d, sel, n, scale)
+    # the reference's ulp-level differences between tied sums are rounded away
+    score = torch.round(reference_scores(q, k, lse, l, d, sel, scale, None) * 1e6)
+    _, pos = ref.token_layout(T, None, q.device)
+    assert torch.equal(block_idx, ref.topn_blocks(score, pos, sel, n))
+
+
+@pytest.mark.parametrize("cu_list", [None, [0, 150, 155, 300]], ids=["fixed", "varlen"])
+def test_small_tiles(monkeypatch, cu_list):
+    """Tiles much smaller than the visible ranges: unmasked key / query tiles, several score tiles
+    per selection pass and, in varlen, tiles straddling sequences (one shorter than l) right where
+    the first sequence already sees more than a key tile."""
+    monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4),) * 3 for name in kc._TILES})
+    monkeypatch.setattr(kc, "_SELECT_TILES", ((64, 16),) * 3)
+    T = 200 if cu_list is None else cu_list[-1]
+    H, G, Dk, Dv, l, d, sel, n = 1, 2, 32, 16, 16, 8, 8, 5
+    cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=_device())
+    q, k, v = make_inputs(1, T, H, G, Dk, Dv, l, d, torch.float32, cu, seed=5)
+    check_attention(q, k, v, l, d, cu, ATOL[torch.float32], with_dlse=True)
+    check_selection(q, k, _cmp_lse(q, k, v, l, d, cu), l, d, sel, n, cu, exact=True, tol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU tests: realistic shapes in half precision, relative error against a float32 reference
+# --------------------------------------------------------------------------------------------
+
+# (B, T, H, G, Dk, Dv); l, d, l', n = 32, 16, 64, 16 (paper defaults)
+GPU_CASES = [
+    (2, 1000, 4, 1, 64, 64),
+    (1, 4096, 4, 4, 128, 128),
+    (1, 8192, 4, 16, 128, 128),
+    (1, 2048, 8, 16, 192, 128),
+    (2, 3001, 8, 4, 64, 64),
+    (1, 8192, 8, 1, 128, 128),
+]
+GPU_VARLEN_CU = [0, 17, 1000, 1031, 4096, 6000]
+
+
+def rel_err(got, want):
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
+
+
+def check_gpu(q, k, v, cu, dtype):
+    l, d, sel, n = 32, 16, 64, 16
+    scale = q.shape[-1] ** -0.5
+    o, lse = kc.compressed_attention_fwd(q, k, v, l, d, scale, cu)
+    q32, k32, v32 = (x.float() for x in (q, k, v))
+    o_ref, lse_ref = ref.compressed_attention(q32, k32, v32, l, d, scale, cu)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    assert rel_err(o, o_ref) < RTOL_GPU[dtype]
+    finite = torch.isfinite(lse_ref)
+    assert (lse - lse_ref)[finite].abs().max().item() < 1e-2
+
+    do = torch.randn_like(o)
+    dlse = torch.randn_like(lse)
+    grads = kc.compressed_attention_bwd(q, k, v, o, lse, do, dlse, l, d, scale, cu)
+    grads_ref = ref.compressed_attention_backward(q32, k32, v32, o_ref, lse_ref, do.float(), dlse,
+                                                  l, d, scale, cu)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, g_ref) < RTOL_GPU[dtype], name
+
+    block_idx = kc.select_blocks(q, k, lse, l, d, sel, n, scale, cu)
+    _, pos = ref.token_layout(q.shape[1], cu, q.device)
+    score = reference_scores(q, k, lse, l, d, sel, scale, cu)
+    check_selection_property(block_idx, score, pos, sel, n, tol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "B{}-T{}-H{}-G{}-Dk{}-Dv{}".format(*c))
+def test_gpu(case, dtype):
+    B, T, H, G, Dk, Dv = case
+    check_gpu(*make_inputs(B, T, H, G, Dk, Dv, 32, 16, dtype, device="cuda"), None, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("H,G,Dk,Dv", [(4, 16, 128, 128), (8, 4, 192, 128)])
+def test_gpu_varlen(H, G, Dk, Dv, dtype):
+    cu = torch.tensor(GPU_VARLEN_CU, dtype=torch.int32, device="cuda")
+    q, k, v = make_inputs(1, GPU_VARLEN_CU[-1], H, G, Dk, Dv, 32, 16, dtype, cu, device="cuda")
+    check_gpu(q, k, v, cu, dtype)
