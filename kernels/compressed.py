@@ -667,5 +667,8 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
         T, NC, H, G, HQ, scale * LOG2E,
         L=block_len, STRIDE=block_stride, SEL=sel_block, NSEL=num_sel,
         NSEL_PAD=triton.next_power_of_2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
-        SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=_prec(q.dtype), num_warps=8)
+        SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=_prec(q.dtype), num_warps=8,
+        # each step issues l/d - 1 + l'/d unrolled key loads; pipelining them over 3 stages
+        # overflows shared memory (256 KB at l=32, d=16, l'=64, D=128)
+        num_stages=1)
     return out
