@@ -1,0 +1,169 @@
+"""Prefill benchmark: forward and forward+backward of NSA vs SDPA causal vs fla's parallel_nsa.
+
+    python bench/bench_prefill.py [--seqlens 8192 16384 32768 65536] [--out bench/results]
+
+B=1, HQ=64, H=4, D=128, bf16 on one CUDA device. Methods:
+  nsa_full     our NSA, spec defaults (l=32, d=16, l'=64, n=16, w=512, phi mean)
+  nsa_fla_cfg  our NSA in fla's configuration (l=d=l'=64, n=16, no window branch)
+  sdpa_causal  torch scaled_dot_product_attention, causal, GQA
+  fla_nsa      fla.ops.nsa.parallel_nsa (l=d=l'=64, n=16, no window) when fla is importable
+Prints a table; writes prefill.csv and prefill.png (median ms, log scale) into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import nsa_ops
+from nsa_ops import reference
+
+HQ, H, D = 64, 4, 128
+
+
+def _commit() -> str:
+    if os.environ.get("NSA_COMMIT"):
+        return os.environ["NSA_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def nsa_full(q, k, v, g):
+    return nsa_ops.nsa_attention(q, k, v, *g)
+
+
+def nsa_fla_cfg(q, k, v, g):
+    """l = d = l' = 64, n = 16, no sliding-window branch: what fla's parallel_nsa computes."""
+    scale = q.shape[-1] ** -0.5
+    k_cmp = reference.compress_mean(k, 64, 64)
+    v_cmp = reference.compress_mean(v, 64, 64)
+    o_cmp, lse = torch.ops.nsa.compressed_attention(q, k_cmp, v_cmp, 64, 64, scale)
+    idx = torch.ops.nsa.select_blocks(q, k_cmp, lse, 64, 64, 64, 16, scale)
+    o_slc, _ = torch.ops.nsa.selection_attention(q, k, v, idx, 64, scale)
+    return torch.addcmul(o_slc * g[1].unsqueeze(-1), o_cmp, g[0].unsqueeze(-1))
+
+
+def sdpa_causal(q, k, v, g):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def fla_nsa():
+    try:
+        from fla.ops.nsa import parallel_nsa
+    except Exception as exc:  # fla missing or incompatible: the table says so
+        print(f"fla_nsa skipped: {type(exc).__name__}: {exc}")
+        return None
+
+    def run(q, k, v, g):
+        return parallel_nsa(q, k, v, g[0], g[1], g[2], block_counts=16, block_size=64,
+                            window_size=0)
+    return run
+
+
+def median_ms(fn, warmup=3, reps=10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def measure(method, T: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    dev = "cuda"
+    q = torch.randn(1, T, HQ, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = [torch.rand(1, T, HQ, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    do = torch.randn(1, T, HQ, D, device=dev, dtype=torch.bfloat16)
+    with torch.no_grad():
+        fwd = median_ms(lambda: method(q, k, v, g))
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        method(q, k, v, g).backward(do)
+    return fwd, median_ms(step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args()
+    from tqdm import tqdm
+
+    methods = {"nsa_full": nsa_full, "nsa_fla_cfg": nsa_fla_cfg, "sdpa_causal": sdpa_causal}
+    fla = fla_nsa()
+    if fla is not None:
+        methods["fla_nsa"] = fla
+    if args.methods:
+        methods = {k: v for k, v in methods.items() if k in args.methods}
+
+    import triton
+    header = (f"device={torch.cuda.get_device_name()} torch={torch.__version__} "
+              f"triton={triton.__version__} commit={_commit()} python={platform.python_version()}")
+    print(header)
+    rows = []
+    jobs = [(name, T) for T in args.seqlens for name in methods]
+    for name, T in tqdm(jobs, desc="prefill", unit="case"):
+        try:
+            fwd, fwd_bwd = measure(methods[name], T)
+        except torch.cuda.OutOfMemoryError:
+            fwd = fwd_bwd = float("nan")
+        torch.cuda.empty_cache()
+        rows.append(dict(method=name, T=T, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd))
+
+    print(f"\n{'method':12s} {'T':>6s} {'fwd ms':>9s} {'fwd+bwd ms':>11s}")
+    for r in rows:
+        print(f"{r['method']:12s} {r['T']:6d} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "prefill.csv", "w", newline="") as f:
+        f.write(f"# {header}\n")
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, out / "prefill.png", header)
+
+
+def plot(rows, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key in zip(axes, ("fwd_ms", "fwd_bwd_ms")):
+        for name in dict.fromkeys(r["method"] for r in rows):
+            pts = [(r["T"], r[key]) for r in rows if r["method"] == name]
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel(f"{key.replace('_ms', '')} median ms")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
