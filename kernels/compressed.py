@@ -291,9 +291,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
                  L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
                  G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-                 PREC: tl.constexpr):
+                 PREC: tl.constexpr, NSPLIT: tl.constexpr):
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     kvh = tl.program_id(1) % H
+    split = tl.program_id(2)
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cvalid = c < NC
     k = _load_keys(K + b * skb + kvh * skh, c, skn, DK, DK_PAD, cvalid)
@@ -309,30 +310,39 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
     n_pre = tl.cdiv(tl.maximum(full_lo - q_start, 0), TOK)
     mid_lo = q_start + n_pre * TOK
     mid_hi = mid_lo + tl.maximum(full_hi - mid_lo, 0) // TOK * TOK
+    # this program's share of the viewing tokens: split starts stay on q_start's TOK grid, so
+    # the masked / unmasked phase boundaries above still fall on tile edges
+    share = tl.cdiv(tl.cdiv(tl.maximum(q_end - q_start, 0), NSPLIT), TOK) * TOK
+    s_lo = q_start + split * share
+    s_hi = tl.minimum(s_lo + share, q_end)
 
     qp, dop = Q + b * sqb, DO + b * sdb
     lsep, deltap = LSE + b * T * HQ, DELTA + b * T * HQ
     dk = tl.zeros([BLOCK_N, DK_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, DV_PAD], tl.float32)
-    for t0 in range(q_start, mid_lo, TOK):
+    for t0 in range(s_lo, tl.minimum(mid_lo, s_hi), TOK):
         dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
                             kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
                             DK_PAD, DV_PAD, TOK, G_PAD, True, VARLEN, PREC)
-    for t0 in range(mid_lo, mid_hi, TOK):
+    for t0 in range(tl.maximum(mid_lo, s_lo), tl.minimum(mid_hi, s_hi), TOK):
         dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
                             kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
                             DK_PAD, DV_PAD, TOK, G_PAD, False, VARLEN, PREC)
-    for t0 in range(mid_hi, q_end, TOK):
+    for t0 in range(tl.maximum(mid_hi, s_lo), s_hi, TOK):
         dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
                             kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
                             DK_PAD, DV_PAD, TOK, G_PAD, True, VARLEN, PREC)
 
     dk_offs = b * sgkb + kvh * sgkh + c[:, None] * sgkn + tl.arange(0, DK_PAD)[None, :]
     dv_offs = b * sgvb + kvh * sgvh + c[:, None] * sgvn + tl.arange(0, DV_PAD)[None, :]
-    tl.store(DK_OUT + dk_offs, (dk * scale).to(DK_OUT.dtype.element_ty),
-             mask=cvalid[:, None] & (tl.arange(0, DK_PAD)[None, :] < DK))
-    tl.store(DV_OUT + dv_offs, dv.to(DV_OUT.dtype.element_ty),
-             mask=cvalid[:, None] & (tl.arange(0, DV_PAD)[None, :] < DV))
+    dk_mask = cvalid[:, None] & (tl.arange(0, DK_PAD)[None, :] < DK)
+    dv_mask = cvalid[:, None] & (tl.arange(0, DV_PAD)[None, :] < DV)
+    if NSPLIT == 1:
+        tl.store(DK_OUT + dk_offs, (dk * scale).to(DK_OUT.dtype.element_ty), mask=dk_mask)
+        tl.store(DV_OUT + dv_offs, dv.to(DV_OUT.dtype.element_ty), mask=dv_mask)
+    else:  # fp32 buffers, zeroed by the host; splits of one key tile meet only here
+        tl.atomic_add(DK_OUT + dk_offs, dk * scale, mask=dk_mask, sem="relaxed")
+        tl.atomic_add(DV_OUT + dv_offs, dv, mask=dv_mask, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -637,14 +647,38 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
         TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
     if NC > 0:
         cfg = _attn_cfg("dkdv", G, tier)
-        _dkdv_kernel[(triton.cdiv(NC, cfg.block_n), B * H)](
-            q, k_cmp, v_cmp, do, lse, delta, dk, dv, lay.seq, lay.pos, lay.cmp_cu,
+        key_tiles = triton.cdiv(NC, cfg.block_n)
+        nsplit = _dkdv_splits(key_tiles * B * H, T, cfg.tok, q.device)
+        if nsplit > 1:
+            dk_acc = torch.zeros(dk.shape, dtype=torch.float32, device=dk.device)
+            dv_acc = torch.zeros(dv.shape, dtype=torch.float32, device=dv.device)
+        else:
+            dk_acc, dv_acc = dk, dv
+        _dkdv_kernel[(key_tiles, B * H, nsplit)](
+            q, k_cmp, v_cmp, do, lse, delta, dk_acc, dv_acc, lay.seq, lay.pos, lay.cmp_cu,
             lay.key_seq, lay.key_idx, lay.cu,
             *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
-            *_s(dk, 0, 1, 2), *_s(dv, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
+            *_s(dk_acc, 0, 1, 2), *_s(dv_acc, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
             TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            **common)
+            NSPLIT=nsplit, **common)
+        if nsplit > 1:
+            dk.copy_(dk_acc)
+            dv.copy_(dv_acc)
     return dq, dk, dv
+
+
+def _dkdv_splits(programs: int, T: int, tok: int, device) -> int:
+    """Query-range splits per key tile so that the dk/dv grid fills the GPU.
+
+    One program per key tile leaves most SMs idle at long T (64k tokens, l=d=64, H=4: 128
+    programs, each walking up to 64k * G query rows). Splitting the viewing tokens gives about
+    four waves; each split adds its partial sums with fp32 atomics.
+    """
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(4 * sms, programs)
+    return max(1, min(want, triton.cdiv(T, 4 * tok), 64))
 
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,

@@ -242,11 +242,14 @@ def test_select_blocks_ties():
     assert torch.equal(block_idx, ref.topn_blocks(score, pos, sel, n))
 
 
+@pytest.mark.parametrize("nsplit", [1, 3], ids=["whole", "split3"])
 @pytest.mark.parametrize("cu_list", [None, [0, 150, 155, 300]], ids=["fixed", "varlen"])
-def test_small_tiles(monkeypatch, cu_list):
+def test_small_tiles(monkeypatch, cu_list, nsplit):
     """Tiles much smaller than the visible ranges: unmasked key / query tiles, several score tiles
     per selection pass and, in varlen, tiles straddling sequences (one shorter than l) right where
-    the first sequence already sees more than a key tile."""
+    the first sequence already sees more than a key tile. split3: the dk/dv query range of every
+    key tile is cut in three programs whose partial sums meet through atomics (as on a GPU)."""
+    monkeypatch.setattr(kc, "_dkdv_splits", lambda *args: nsplit)
     monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4),) * 3 for name in kc._TILES})
     monkeypatch.setattr(kc, "_SELECT_TILES", ((64, 16),) * 3)
     T = 200 if cu_list is None else cu_list[-1]

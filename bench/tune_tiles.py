@@ -1,0 +1,54 @@
+"""Sweep tile tables of the compressed-branch kernels at one shape; prints median ms per variant.
+
+    python bench/tune_tiles.py [--seqlen 65536]
+
+Used to fill `_TILES` / `_SELECT_TILES` in kernels/compressed.py (B=1, HQ=64, H=4, D=128, bf16).
+"""
+import argparse
+
+import torch
+import triton.testing
+
+from nsa_ops import reference
+from nsa_ops.kernels import compressed as C
+
+HQ, H, D = 64, 4, 128
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlen", type=int, default=65536)
+    T = p.parse_args().seqlen
+    torch.manual_seed(0)
+    q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    scale = D ** -0.5
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
+    base_tiles, base_select = dict(C._TILES), C._SELECT_TILES
+    for l, d in ((32, 16), (64, 64)):
+        k_cmp, v_cmp = reference.compress_mean(k, l, d), reference.compress_mean(v, l, d)
+        o, lse = C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
+        for rows, sb in ((64, 64), (128, 64), (128, 32), (256, 32), (64, 32)):
+            C._SELECT_TILES = ((rows, sb),) + base_select[1:]
+            ms = bench(lambda: C.select_blocks(q, k_cmp, lse, l, d, 64, 16, scale))
+            print(f"l={l} d={d} select rows={rows} SB={sb}: {ms:.2f} ms", flush=True)
+        C._SELECT_TILES = base_select
+        for kind, variants in (("fwd", ((128, 64, 8), (128, 128, 8), (64, 64, 4))),
+                               ("dkdv", ((64, 32, 8), (128, 64, 8), (64, 64, 8)))):
+            for variant in variants:
+                C._TILES = {**base_tiles, kind: (variant,) + base_tiles[kind][1:]}
+                fn = (lambda: C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)) \
+                    if kind == "fwd" else \
+                    (lambda: C.compressed_attention_bwd(q, k_cmp, v_cmp, o, lse, do, None, l, d,
+                                                        scale))
+                try:
+                    print(f"l={l} d={d} {kind} {variant}: {bench(fn):.2f} ms", flush=True)
+                except Exception as exc:  # out of shared memory / registers: report and go on
+                    print(f"l={l} d={d} {kind} {variant}: {type(exc).__name__}", flush=True)
+            C._TILES = dict(base_tiles)
+
+
+if __name__ == "__main__":
+    main()
