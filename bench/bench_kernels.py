@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from nsa_ops import reference
+from bench_prefill import run_header
 
 HQ, H, D = 64, 4, 128
 
@@ -39,6 +40,7 @@ def main():
     p.add_argument("--kernels", nargs="+", default=["selection", "window", "compressed", "select"])
     p.add_argument("--out", default="bench/results")
     args = p.parse_args()
+    print(run_header())
     T, dev, dt = args.seqlen, "cuda", torch.bfloat16
     torch.manual_seed(0)
     q = torch.randn(1, T, HQ, D, device=dev, dtype=dt)
@@ -98,6 +100,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "kernels.csv", "w", newline="") as f:
+        f.write(f"# {run_header()}\n")
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)

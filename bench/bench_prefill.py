@@ -36,6 +36,13 @@ def _commit() -> str:
         return "unknown"
 
 
+def run_header() -> str:
+    """What every committed result names: device, versions, commit."""
+    import triton
+    return (f"device={torch.cuda.get_device_name()} torch={torch.__version__} "
+            f"triton={triton.__version__} commit={_commit()} python={platform.python_version()}")
+
+
 def nsa_full(q, k, v, g):
     return nsa_ops.nsa_attention(q, k, v, *g)
 
@@ -117,9 +124,7 @@ def main() -> None:
     if args.methods:
         methods = {k: v for k, v in methods.items() if k in args.methods}
 
-    import triton
-    header = (f"device={torch.cuda.get_device_name()} torch={torch.__version__} "
-              f"triton={triton.__version__} commit={_commit()} python={platform.python_version()}")
+    header = run_header()
     print(header)
     rows = []
     jobs = [(name, T) for T in args.seqlens for name in methods]
