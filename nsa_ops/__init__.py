@@ -4,8 +4,12 @@ Importing registers torch.ops.nsa.{compressed_attention, select_blocks, selectio
 sliding_window_attention} (and their backward ops). See ../shared/NSA-SPEC.md for the contract.
 """
 from . import ops, reference, routing
+from .cache import NSACache
 from .compression import PhiMLP
+from .config import NSAConfig
 from .functional import nsa_attention
+from .module import NSAAttention
 
-__all__ = ["nsa_attention", "PhiMLP", "ops", "reference", "routing"]
+__all__ = ["nsa_attention", "NSAAttention", "NSACache", "NSAConfig", "PhiMLP", "ops", "reference",
+           "routing"]
 __version__ = "0.1.0"

@@ -1,12 +1,15 @@
-"""python -m nsa_ops [demo|routing]: a short CPU/GPU demo, or the routing table."""
+"""python -m nsa_ops [demo|routing|check-config FILE]: a short CPU/GPU demo, the routing table,
+or a YAML NSAConfig validated and summarised (exit code 1 if it is invalid)."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
+import yaml
 
-from . import nsa_attention, reference, routing
+from . import NSAConfig, nsa_attention, reference, routing
 from .routing import Inputs
 
 
@@ -44,16 +47,42 @@ def demo(T: int = 1024, heads_q: int = 8, heads_kv: int = 2, head_dim: int = 64)
           f" (dense reads {T}; NSA wins once T >> {reads})")
 
 
-def main(argv=None) -> None:
+def check_config(path: str) -> int:
+    try:
+        config = NSAConfig.from_yaml(path)
+    except (OSError, yaml.YAMLError, ValueError, TypeError) as e:
+        print(f"{path}: invalid NSA config: {e}", file=sys.stderr)
+        return 1
+    print(f"{path}: valid NSA config")
+    print(config.to_yaml(), end="")
+    c = config
+    print(f"derived: G = HQ/H = {c.group}, scale = Dk^-0.5 = {c.scale:.6g}")
+    print("per-query reads(S) = num_cmp(S) + n*l' + min(w, S):")
+    for S in sorted({c.block_len, c.window, 4096, 32768, 131072}):
+        print(f"  S={S:>7}: {c.num_cmp(S)} + {c.num_sel * c.sel_block} + {min(c.window, S)} = "
+              f"{c.reads(S)} ({c.reads(S) / S:.1%} of dense)")
+    return 0
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nsa_ops", description=__doc__)
-    parser.add_argument("command", nargs="?", default="demo", choices=["demo", "routing"])
+    parser.add_argument("command", nargs="?", default="demo",
+                        choices=["demo", "routing", "check-config"])
+    parser.add_argument("file", nargs="?", help="YAML NSAConfig (check-config)")
     parser.add_argument("--seqlen", type=int, default=1024)
     args = parser.parse_args(argv)
+    if args.command == "check-config":
+        if args.file is None:
+            parser.error("check-config needs a FILE")
+        return check_config(args.file)
+    if args.file is not None:
+        parser.error(f"{args.command} takes no FILE")
     if args.command == "routing":
         print(routing.describe())
     else:
         demo(T=args.seqlen)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
