@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.reference import token_layout
+from nsa_ops.reference import token_layout, token_starts
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
@@ -298,11 +298,8 @@ def _strides(x: Tensor) -> tuple[int, int, int]:
 
 
 def _seq_start(T: int, cu_seqlens: Optional[Tensor], device) -> Optional[Tensor]:
-    """First packed token of every token's sequence (int32 [T]), None when not varlen."""
-    if cu_seqlens is None:
-        return None
-    _, pos = token_layout(T, cu_seqlens, device)
-    return (torch.arange(T, device=device) - pos).to(torch.int32)
+    """None without cu_seqlens: the kernels then skip the per-token start load (IS_VARLEN)."""
+    return None if cu_seqlens is None else token_starts(T, cu_seqlens, device)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.reference import token_layout
+from nsa_ops.reference import token_starts
 
 _LOG2E = math.log2(math.e)
 _LN2_C = tl.constexpr(math.log(2.0))  # constexpr: the only globals a kernel may read
@@ -290,14 +290,6 @@ def _kernel_meta(q: Tensor, dk: int, dv: int, backward: bool) -> dict:
                 num_stages=cfg.num_stages)
 
 
-def _token_starts(T: int, cu_seqlens: Optional[Tensor], device) -> Tensor:
-    """First token of each token's sequence, int32 [T], computed on device."""
-    if cu_seqlens is None:
-        return torch.zeros(T, dtype=torch.int32, device=device)
-    _, pos = token_layout(T, cu_seqlens, device)
-    return (torch.arange(T, device=device) - pos).to(torch.int32)
-
-
 def _strides(*xs: Tensor) -> list[int]:
     """(batch, token, head) strides of each [B,T,heads,D] tensor; D is unit-stride."""
     return [s for x in xs for s in x.stride()[:3]]
@@ -310,7 +302,7 @@ def _triton_fwd(q, k, v, window, scale, cu_seqlens):
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     meta = _kernel_meta(q, Dk, Dv, backward=False)
     grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
-    _fwd_kernel[grid](q, k, v, o, lse, _token_starts(T, cu_seqlens, q.device),
+    _fwd_kernel[grid](q, k, v, o, lse, token_starts(T, cu_seqlens, q.device),
                       *_strides(q, k, v, o), T, H, HQ // H, min(window, T), scale * _LOG2E,
                       **meta)
     return o, lse
@@ -337,7 +329,7 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens):
     do = do.contiguous()
     delta = _delta(o.contiguous(), do, dlse)
     lse = lse.to(torch.float32).contiguous()
-    starts = _token_starts(T, cu_seqlens, q.device)
+    starts = token_starts(T, cu_seqlens, q.device)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     meta = _kernel_meta(q, Dk, Dv, backward=True)
     shared = (T, H, G, min(window, T), scale * _LOG2E, scale)

@@ -50,6 +50,14 @@ def token_layout(T: int, cu_seqlens: Optional[Tensor], device) -> tuple[Tensor, 
     return seq, t - cu[seq]
 
 
+def token_starts(T: int, cu_seqlens: Optional[Tensor], device) -> Tensor:
+    """First packed token of every token's sequence, int32 [T] (all 0 without cu_seqlens)."""
+    if cu_seqlens is None:
+        return torch.zeros(T, dtype=torch.int32, device=device)
+    _, pos = token_layout(T, cu_seqlens, device)
+    return (torch.arange(T, device=device) - pos).to(torch.int32)
+
+
 def cmp_layout(num_rows: int, cu_seqlens: Optional[Tensor], block_len: int, block_stride: int,
                device) -> tuple[Tensor, Tensor]:
     """Per compressed row: (sequence id, block index inside its sequence), both int64 [num_rows]."""
