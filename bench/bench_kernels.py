@@ -9,13 +9,12 @@ kernels.csv into --out.
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
 import torch
 
 from nsa_ops import reference
-from bench_prefill import run_header
+from bench_prefill import run_header, write_csv
 
 HQ, H, D = 64, 4, 128
 
@@ -97,13 +96,7 @@ def main():
                 record(f"select_blocks l={l} d={d}",
                        lambda: C.select_blocks(q, k_cmp, lse, l, d, lp, 16, scale), None,
                        HQ * T * k_cmp.shape[1] / 2)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "kernels.csv", "w", newline="") as f:
-        f.write(f"# {run_header()}\n")
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(Path(args.out) / "kernels.csv", rows, run_header())
 
 
 if __name__ == "__main__":

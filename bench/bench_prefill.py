@@ -141,13 +141,18 @@ def main() -> None:
         print(f"{r['method']:12s} {r['T']:6d} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f}")
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "prefill.csv", "w", newline="") as f:
+    write_csv(out / "prefill.csv", rows, header)
+    plot(rows, out / "prefill.png", header)
+
+
+def write_csv(path: Path, rows: list[dict], header: str) -> None:
+    """Rows as CSV under a '# header' line naming device, versions and commit."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
         f.write(f"# {header}\n")
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(rows, out / "prefill.png", header)
 
 
 def plot(rows, path: Path, title: str) -> None:

@@ -328,22 +328,33 @@ def topn_blocks(score: Tensor, pos: Tensor, sel_block: int, num_sel: int) -> Ten
     return torch.where(picked == key.shape[-1], -1, picked).to(torch.int32)
 
 
-def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
-                 sel_block: int, scale: float, cu_seqlens: Optional[Tensor] = None,
-                 t0: int = 0, t1: Optional[int] = None) -> Tensor:
-    """Eq.10 scores [B, t1-t0, H, ceil(T/l')] of query rows t0..t1 (p_cmp via the cmp lse, Eq.9)."""
+def _block_scorer(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
+                  sel_block: int, scale: float, cu_seqlens: Optional[Tensor]):
+    """score(t0, t1) -> Eq.10 scores of query rows t0..t1; masks and Eq.9 weights built once."""
     T = q.shape[1]
-    t1 = T if t1 is None else t1
     H = k_cmp.shape[2]
     cdt = compute_dtype(q.dtype)
     mask_fn = compressed_mask_fn(T, k_cmp.shape[1], block_len, block_stride, cu_seqlens, q.device)
     _, cidx = cmp_layout(k_cmp.shape[1], cu_seqlens, block_len, block_stride, q.device)
-    overlap = overlap_matrix(cidx, block_len, block_stride, sel_block, max(1, -(-T // sel_block)))
-    qc = _group(q[:, t0:t1].to(cdt), H)
-    lsec = _group(lse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)
-    p_cmp, _ = _probs(qc, k_cmp.to(cdt), mask_fn(t0, t1), lsec, scale)  # [B,H,G,tc,rows]
-    p_slc = p_cmp @ overlap.to(cdt)  # Eq.9 -> [B,H,G,tc,nblk]
-    return p_slc.sum(2).permute(0, 2, 1, 3)  # Eq.10: sum over the group's G query heads
+    overlap = overlap_matrix(cidx, block_len, block_stride, sel_block,
+                             max(1, -(-T // sel_block))).to(cdt)
+    k32 = k_cmp.to(cdt)
+
+    def score(t0: int, t1: int) -> Tensor:
+        qc = _group(q[:, t0:t1].to(cdt), H)
+        lsec = _group(lse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)
+        p_cmp, _ = _probs(qc, k32, mask_fn(t0, t1), lsec, scale)  # [B,H,G,tc,rows]
+        p_slc = p_cmp @ overlap  # Eq.9 -> [B,H,G,tc,nblk]
+        return p_slc.sum(2).permute(0, 2, 1, 3)  # Eq.10: sum over the group's G query heads
+    return score
+
+
+def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
+                 sel_block: int, scale: float, cu_seqlens: Optional[Tensor] = None,
+                 t0: int = 0, t1: Optional[int] = None) -> Tensor:
+    """Eq.10 scores [B, t1-t0, H, ceil(T/l')] of query rows t0..t1 (p_cmp via the cmp lse, Eq.9)."""
+    score = _block_scorer(q, k_cmp, lse, block_len, block_stride, sel_block, scale, cu_seqlens)
+    return score(t0, q.shape[1] if t1 is None else t1)
 
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
@@ -353,12 +364,11 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     B, T = q.shape[:2]
     H = k_cmp.shape[2]
     _, pos = token_layout(T, cu_seqlens, q.device)
+    score = _block_scorer(q, k_cmp, lse, block_len, block_stride, sel_block, scale, cu_seqlens)
     out = []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
-        score = block_scores(q, k_cmp, lse, block_len, block_stride, sel_block, scale, cu_seqlens,
-                             t0, t1)
-        out.append(topn_blocks(score, pos[t0:t1], sel_block, num_sel))
+        out.append(topn_blocks(score(t0, t1), pos[t0:t1], sel_block, num_sel))
     if not out:
         return torch.empty(B, 0, H, num_sel, dtype=torch.int32, device=q.device)
     return torch.cat(out, 1)
