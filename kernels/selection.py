@@ -96,19 +96,19 @@ def _per_token_configs():
 _PER_TOKEN_KEY = ["H", "G", "DK", "DV", "SEL", "NP"]
 
 
-@triton.autotune(configs=_per_token_configs(), key=_PER_TOKEN_KEY)
 @triton.jit
-def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
-                sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-                T, N, qk_scale,
-                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
-                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
-                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                PREC: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
+def selection_fwd_rows(q, k, v, bidx, seq_start, b, t, h,
+                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, N, qk_scale,
+                       H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
+                       DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
+                       BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       PREC: tl.constexpr):
+    """Attention of the G query heads of (b, t, KV head h) over the token's selected blocks.
+
+    Returns the normalised output [GP, DVP] (fp32), lse [GP] (natural log, -inf for rows that saw
+    nothing), the query-head indices and their mask. Shared by the eager forward kernel and the
+    Inductor template (nsa_ops.lowering), which differ only in how they store the output.
+    """
     g = tl.arange(0, GP)
     gmask = g < G
     heads = h * G + g
@@ -142,8 +142,27 @@ def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
 
     seen = l > 0
     l_safe = tl.where(seen, l, 1.0)
-    _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, acc / l_safe[:, None], DV, DVP)
     lse_row = tl.where(seen, (m + tl.log2(l_safe)) * LN2, float("-inf"))
+    return acc / l_safe[:, None], lse_row, heads, gmask
+
+
+@triton.autotune(configs=_per_token_configs(), key=_PER_TOKEN_KEY)
+@triton.jit
+def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
+                sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+                T, N, qk_scale,
+                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
+                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
+                PREC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    out, lse_row, heads, gmask = selection_fwd_rows(
+        q, k, v, bidx, seq_start, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+        T, N, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
+    _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, out, DV, DVP)
     tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
 
 
@@ -375,15 +394,21 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     q, k, v = _rows(q), _rows(k), _rows(v)
     bidx = block_idx.to(torch.int32).contiguous()
     seq_start = _seq_start(T, cu_seqlens, q.device)
-    dkp, dvp = _pow2(Dk), _pow2(Dv)
     _fwd_kernel[(T, B * H)](
         q, k, v, o, lse, bidx, seq_start if seq_start is not None else bidx,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        T, n, scale * math.log2(math.e),
-        H=H, G=HQ // H, GP=_pow2(HQ // H), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
-        BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=seq_start is not None,
-        PREC=_precision(q.dtype))
+        T, n, scale * math.log2(math.e), IS_VARLEN=seq_start is not None,
+        **forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype))
     return o, lse
+
+
+def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
+                      dtype: torch.dtype) -> dict:
+    """The constexpr arguments of `selection_fwd_rows` for these shapes (also used by the
+    Inductor template, so eager and compiled forwards tile alike)."""
+    dkp, dvp = _pow2(Dk), _pow2(Dv)
+    return dict(H=H, G=HQ // H, GP=_pow2(HQ // H), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
+                BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), PREC=_precision(dtype))
 
 
 def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,

@@ -1,9 +1,15 @@
 """The one routing table: which implementation runs each op for given inputs, and why not others.
 
-Rows are data. For each op, candidates are tried in table order; the first whose `refuse`
-returns None runs. Every refusal carries a reason string (like xformers' not_supported_reasons),
-printed by `python -m nsa_ops routing`. Implementations are named by "module:function" so the
-table stays data and importing nsa_ops never imports Triton.
+Rows are data. For each op, candidates are tried in table order; the first without a refusal
+runs. A row refuses for two kinds of reasons, each a string (like xformers'
+not_supported_reasons), printed by `python -m nsa_ops routing`:
+
+* `refuse`: the implementation cannot serve the input (device, dtype, head size, missing package);
+* `defer`: it could, but measurements say a later row is faster here (an SM the kernels are not
+  tuned for, a sequence too short to fill the GPU). Forcing the impl (nsa_ops/env.py) lifts these.
+
+Implementations are named by "module:function" so the table stays data and importing nsa_ops
+never imports Triton. The Inductor lowering (nsa_ops.lowering) asks the same table.
 """
 from __future__ import annotations
 
@@ -118,6 +124,29 @@ def _always(x: Inputs) -> Optional[str]:
     return None
 
 
+# SMs the selection kernel is tuned for, each with the sequence length below which packed SDPA
+# runs instead. From bench/bench_routing.py (forward; both rows share the Triton backward): on
+# sm90 the kernel won at every length measured, T = 16 .. 8192 at B = 1 and 8, by 25-60x
+# (bench/results/routing.csv), so the threshold is 0. sm80 and sm100 are unmeasured and take
+# sm90's value.
+TRITON_SELECTION_MIN_SEQLEN = {(8, 0): 0, (9, 0): 0, (10, 0): 0}
+
+
+def _selection_kernel_preferred(x: Inputs) -> Optional[str]:
+    if x.sm == (8, 9):
+        return ("sm89 (Ada) runs packed SDPA by design: the kernels are tuned for the 164-228 KB "
+                "of shared memory per SM of sm80/sm90/sm100, Ada has 100 KB (force to override)")
+    if x.sm not in TRITON_SELECTION_MIN_SEQLEN:
+        sm = f"sm{x.sm[0]}{x.sm[1]}" if x.sm else "an unknown SM"
+        tuned = ", ".join(f"sm{a}{b}" for a, b in TRITON_SELECTION_MIN_SEQLEN)
+        return f"tuned for {tuned}, not {sm}: packed SDPA serves it (force to override)"
+    min_len = TRITON_SELECTION_MIN_SEQLEN[x.sm]
+    if x.seqlen < min_len:
+        return (f"T={x.seqlen} < {min_len}, the length from which the kernel beats packed SDPA "
+                f"on sm{x.sm[0]}{x.sm[1]} (bench/results/routing.csv)")
+    return None
+
+
 _triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256))
 _fa2_common = _first(_needs_cuda, _needs_sm80, _half_only, _equal_head_dims, _head_dims_upto(256),
                      _head_dim_multiple_of_8)
@@ -131,6 +160,7 @@ class Route:
     backward: Optional[str]  # None for non-differentiable ops
     refuse: Refusal
     options: tuple[tuple[str, str], ...] = ()  # extra keyword arguments for forward/backward
+    defer: Refusal = _always  # soft refusal: a later row is preferred, unless this impl is forced
 
 
 _REF = "nsa_ops.reference"
@@ -144,6 +174,10 @@ TABLE: tuple[Route, ...] = (
     Route("select_blocks", "triton", "nsa_ops.kernels.compressed:select_blocks", None, _triton),
     Route("select_blocks", "reference", f"{_REF}:select_blocks", None, _always),
     Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
+          "nsa_ops.kernels.selection:selection_attention_bwd", _triton,
+          defer=_selection_kernel_preferred),
+    # the backward reuses the Triton kernels, which serve every input this row serves
+    Route("selection_attention", "packed_sdpa", "nsa_ops.packed:selection_attention_packed",
           "nsa_ops.kernels.selection:selection_attention_bwd", _triton),
     Route("selection_attention", "reference", f"{_REF}:selection_attention",
           f"{_REF}:selection_attention_backward", _always),
@@ -164,6 +198,14 @@ def candidates(op: str) -> list[Route]:
     return [r for r in TABLE if r.op == op]
 
 
+def route(op: str, impl: str) -> Route:
+    for r in candidates(op):
+        if r.impl == impl:
+            return r
+    raise ValueError(f"nsa.{op} has no impl {impl!r}; it has "
+                     f"{', '.join(r.impl for r in candidates(op))}")
+
+
 def explain(op: str, x: Inputs) -> list[tuple[str, Optional[str]]]:
     """(impl, refusal reason or None) for every candidate of op, in preference order."""
     forced = env.forced_impl(op)
@@ -172,6 +214,8 @@ def explain(op: str, x: Inputs) -> list[tuple[str, Optional[str]]]:
         reason = r.refuse(x)
         if reason is None and forced and r.impl != forced:
             reason = f"not the forced impl (NSA_OPS_FORCE_IMPL*={forced})"
+        if reason is None and r.impl != forced:
+            reason = r.defer(x)
         rows.append((r.impl, reason))
     return rows
 
@@ -221,6 +265,8 @@ def default_examples() -> list[Inputs]:
     if torch.cuda.is_available():
         examples.append(Inputs("cuda", torch.cuda.get_device_capability(), bf16, 128, 128, 32768))
     examples += [Inputs("cuda", (9, 0), bf16, 128, 128, 32768),
+                 Inputs("cuda", (9, 0), bf16, 128, 128, 512),
                  Inputs("cuda", (9, 0), bf16, 192, 128, 32768),
+                 Inputs("cuda", (8, 9), bf16, 128, 128, 32768),
                  Inputs("cuda", (7, 5), torch.float16, 128, 128, 8192)]
     return examples

@@ -66,3 +66,44 @@ def test_describe_prints_every_op():
 def test_unknown_op():
     with pytest.raises(ValueError, match="op must be one of"):
         routing.candidates("full_attention")
+
+
+@pytest.mark.parametrize("sm,T,impl,why", [
+    ((9, 0), 32768, "triton", None),
+    ((8, 0), 32768, "triton", None),
+    ((10, 0), 32768, "triton", None),
+    ((8, 9), 32768, "packed_sdpa", "sm89"),
+    ((12, 0), 32768, "packed_sdpa", "not sm120"),
+    ((8, 6), 32768, "packed_sdpa", "not sm86"),
+])
+def test_selection_by_sm_and_length(sm, T, impl, why):
+    """Faked capabilities: the per-SM rules of the selection op, each refusal with its reason."""
+    x = Inputs("cuda", sm, BF16, 128, 128, T)
+    assert routing.choose("selection_attention", x).impl == impl
+    reasons = dict(routing.explain("selection_attention", x))
+    if why:
+        assert why in reasons["triton"]
+    assert routing.choose("compressed_attention", x).impl == "triton"
+
+
+def test_forcing_lifts_preferences_not_capabilities(monkeypatch):
+    monkeypatch.setenv("NSA_OPS_FORCE_IMPL_SELECTION_ATTENTION", "triton")
+    assert routing.choose("selection_attention",
+                          Inputs("cuda", (8, 9), BF16, 128, 128, 64)).impl == "triton"
+    with pytest.raises(ValueError, match="sm80"):
+        routing.choose("selection_attention", Inputs("cuda", (7, 5), BF16, 128, 128, 64))
+
+
+def test_route_lookup():
+    assert routing.route("selection_attention", "packed_sdpa").impl == "packed_sdpa"
+    with pytest.raises(ValueError, match="has no impl"):
+        routing.route("selection_attention", "cutlass")
+
+
+def test_short_sequences_go_to_packed_sdpa_below_the_sm_threshold(monkeypatch):
+    monkeypatch.setitem(routing.TRITON_SELECTION_MIN_SEQLEN, (9, 0), 1024)
+    short = Inputs("cuda", (9, 0), BF16, 128, 128, 1023)
+    assert routing.choose("selection_attention", short).impl == "packed_sdpa"
+    assert "T=1023 < 1024" in dict(routing.explain("selection_attention", short))["triton"]
+    assert routing.choose("selection_attention",
+                          Inputs("cuda", (9, 0), BF16, 128, 128, 1024)).impl == "triton"

@@ -1,0 +1,92 @@
+"""Where the selection kernel overtakes packed SDPA: the per-SM minimum length of the routing table.
+
+    python bench/bench_routing.py [--seqlens 256 512 1024 2048 4096 8192] [--batch 1 8]
+
+Times the selection-attention forward of the two implementations the routing table chooses between
+on CUDA (the Triton kernel and packed SDPA; both rows share the Triton backward, so the forward
+decides) at HQ=64, H=4, D=128, bf16, spec selection (l'=64, n=16), on a random selection of the
+op's format. Prints the table and the crossover (the shortest length from which the kernel is
+faster at every longer length measured), and writes routing.csv + routing.png into --out. The
+crossover goes into nsa_ops.routing.TRITON_SELECTION_MIN_SEQLEN for the device's SM.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from nsa_ops.kernels.selection import selection_attention_fwd
+from nsa_ops.packed import selection_attention_packed
+from bench_kernels import median_ms, random_selection
+from bench_prefill import run_header, write_csv
+
+HQ, H, D, SEL, N = 64, 4, 128, 64, 16
+IMPLS = {"triton": selection_attention_fwd, "packed_sdpa": selection_attention_packed}
+
+
+def crossover(rows, batch: int) -> int:
+    """Shortest T from which the kernel wins at every longer T measured (inf: never)."""
+    lengths = sorted({r["T"] for r in rows if r["B"] == batch})
+    ms = {(r["impl"], r["T"]): r["fwd_ms"] for r in rows if r["B"] == batch}
+    wins = [ms["triton", T] <= ms["packed_sdpa", T] for T in lengths]
+    best = float("inf")
+    for T, win in zip(reversed(lengths), reversed(wins)):
+        if not win:
+            break
+        best = T
+    return best
+
+
+def plot(rows, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for key in dict.fromkeys((r["impl"], r["B"]) for r in rows):
+        pts = [(r["T"], r["fwd_ms"]) for r in rows if (r["impl"], r["B"]) == key]
+        ax.plot(*zip(*pts), marker="o", label=f"{key[0]} B={key[1]}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("selection forward, median ms")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.suptitle(title, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args()
+    header = run_header()
+    print(header)
+    rows = []
+    for B in args.batch:
+        for T in tqdm(args.seqlens, desc=f"routing B={B}", unit="T"):
+            torch.manual_seed(0)
+            q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            idx = random_selection(T, N, SEL, "cuda").expand(B, -1, -1, -1).contiguous()
+            for name, fn in IMPLS.items():
+                ms = median_ms(lambda: fn(q, k, v, idx, SEL, D ** -0.5))
+                rows.append(dict(impl=name, B=B, T=T, fwd_ms=ms))
+    print(f"\n{'impl':12s} {'B':>3s} {'T':>6s} {'fwd ms':>9s}")
+    for r in rows:
+        print(f"{r['impl']:12s} {r['B']:3d} {r['T']:6d} {r['fwd_ms']:9.3f}")
+    sm = torch.cuda.get_device_capability()
+    for B in args.batch:
+        print(f"crossover sm{sm[0]}{sm[1]} B={B}: triton from T={crossover(rows, B)}")
+    out = Path(args.out)
+    write_csv(out / "routing.csv", rows, header)
+    plot(rows, out / "routing.png", header)
+
+
+if __name__ == "__main__":
+    main()

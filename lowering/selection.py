@@ -1,0 +1,225 @@
+"""Inductor lowering of nsa.selection_attention: a Triton template or packed SDPA, by routing.
+
+On CUDA, the routing table (nsa_ops.routing) decides which family serves the input:
+
+* "triton": the choices are the template below in several launch configs plus packed SDPA as an
+  ExternKernelChoice, and Inductor's autotuner times them and keeps the fastest;
+* "packed_sdpa": packed SDPA alone (an SM the kernel is not tuned for, or a short sequence);
+* anything else (CPU, float64, varlen, old GPUs): Inductor's generic fallback, an opaque call of the
+  op, which routes again at run time.
+
+The template runs the same device function as the eager kernel (`selection_fwd_rows` in
+nsa_ops.kernels.selection); what it adds is Inductor's `store_output`, so the gate
+multiply-add that consumes the output is fused into the template's epilogue instead of reading
+the output back from HBM. With dynamic shapes the choice is made at the sequence length Inductor
+hints (the first one compiled); every choice is correct at every length.
+
+The op returns (o, lse); templates store one output, so lse is a buffer the kernel writes and the
+graph records as mutated (as Inductor's flex attention does). The extern choice writes lse the
+same way and gets the same mutation record.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import warnings
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from nsa_ops import routing
+
+_OP = "selection_attention"
+_LOG2E = math.log2(math.e)
+# launch configs the autotuner chooses from: (num_warps, num_stages), as for the eager kernel
+_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 3), (8, 3))
+
+_TEMPLATE_SOURCE = r'''
+{{def_kernel("Q", "K", "V", "BIDX", "LSE")}}
+    T = {{size("Q", 1)}}
+    t = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    out, lse_row, heads, gmask = selection_fwd_rows(
+        Q, K, V, BIDX, BIDX, b, t, h,
+        {{stride("Q", 0)}}, {{stride("Q", 1)}}, {{stride("Q", 2)}},
+        {{stride("K", 0)}}, {{stride("K", 1)}}, {{stride("K", 2)}},
+        {{stride("V", 0)}}, {{stride("V", 1)}}, {{stride("V", 2)}},
+        T, NSLOTS, QK_SCALE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, False, PREC)
+    lse_off = b * {{stride("LSE", 0)}} + t * {{stride("LSE", 1)}} + heads * {{stride("LSE", 2)}}
+    tl.store(LSE + lse_off, lse_row, mask=gmask)
+    idx_b = b
+    idx_t = t
+    idx_hq = heads[:, None]
+    idx_d = tl.arange(0, DVP)[None, :]
+    mask = gmask[:, None] & (idx_d < DV)
+    {{store_output(("idx_b", "idx_t", "idx_hq", "idx_d"), "out", "mask"STORE_SHAPE)}}
+
+
+from nsa_ops.kernels.selection import selection_fwd_rows
+'''
+
+_api: Optional[SimpleNamespace] = None
+_api_error: Optional[str] = None
+
+
+def inductor_api() -> Optional[SimpleNamespace]:
+    """The private Inductor pieces the lowering needs, or None (warned once) if this torch lacks
+    one of them."""
+    global _api, _api_error
+    if _api is not None or _api_error is not None:
+        return _api
+    try:
+        _api = _build_api()
+    except (ImportError, AttributeError, TypeError) as exc:
+        _api_error = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"nsa_ops.lowering: this torch ({torch.__version__}) lacks an Inductor API "
+                      f"the selection template needs ({_api_error}); torch.compile calls "
+                      f"nsa.selection_attention as an opaque op instead", RuntimeWarning,
+                      stacklevel=2)
+    return _api
+
+
+def _build_api() -> SimpleNamespace:
+    from torch._inductor import ir
+    from torch._inductor.lowering import empty_strided
+    from torch._inductor.select_algorithm import (ExternKernelChoice, SymbolicGridFn,
+                                                  TritonTemplate, TritonTemplateKernel,
+                                                  autotune_select_algorithm)
+    from torch._inductor.virtualized import V
+
+    for name in ("FixedLayout", "MutationOutput", "NoneLayout", "ExternKernel", "StorageBox"):
+        getattr(ir, name)
+    store_params = inspect.signature(TritonTemplateKernel.store_output).parameters
+    shape = ', val_shape=("GP", "DVP")' if "val_shape" in store_params else ""
+
+    @SymbolicGridFn
+    def grid(B, T, HQ, Dk, meta, *, cdiv):
+        return (T, B * meta["H"], 1)
+
+    template = TritonTemplate.all_templates.get("nsa_selection_attention") or TritonTemplate(
+        name="nsa_selection_attention", grid=grid,
+        source=_TEMPLATE_SOURCE.replace("STORE_SHAPE", shape))
+    packed = ExternKernelChoice.lookup("nsa_selection_packed_sdpa") if hasattr(
+        ExternKernelChoice, "lookup") else None
+    packed = packed or ExternKernelChoice(_packed_sdpa_out, name="nsa_selection_packed_sdpa",
+                                          has_out_variant=True)
+    return SimpleNamespace(ir=ir, V=V, empty_strided=empty_strided, template=template,
+                           packed=packed, autotune=autotune_select_algorithm,
+                           autotune_params=inspect.signature(autotune_select_algorithm)
+                           .parameters)
+
+
+def _packed_sdpa_out(q, k, v, block_idx, lse, *, sel_block, scale, out):
+    """The extern choice: packed SDPA writing into Inductor's buffers."""
+    from nsa_ops.packed import selection_attention_packed
+    o, lse_new = selection_attention_packed(q, k, v, block_idx, sel_block, scale)
+    out.copy_(o)
+    lse.copy_(lse_new)
+    return out
+
+
+def _valid_block_idx(node, sel_block: int) -> torch.Tensor:
+    """Autotuning input for block_idx: random indices would read out of bounds. Each token takes
+    up to n distinct visible blocks spread over its prefix, as real selections do."""
+    from torch._inductor.virtualized import V
+    B, T, H, n = V.graph.sizevars.size_hints(node.get_size())
+    dev = node.get_device()
+    visible = torch.arange(T, device=dev)[:, None] // sel_block + 1
+    slot = torch.arange(n, device=dev)[None, :]
+    idx = torch.where(slot < visible, slot * torch.clamp(visible // n, min=1), -1)
+    return idx.to(node.get_dtype())[None, :, None, :].expand(B, T, H, n).contiguous()
+
+
+def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=None):
+    from torch._inductor.lowering import fallback_handler
+
+    def fallback():
+        return fallback_handler(torch.ops.nsa.selection_attention.default,
+                                add_to_fallback_set=False)(q, k, v, block_idx, sel_block, scale,
+                                                           cu_seqlens)
+
+    device = q.get_device()
+    if device is None or device.type != "cuda" or cu_seqlens is not None:
+        return fallback()
+    api = inductor_api()
+    if api is None:
+        return fallback()
+    V, ir = api.V, api.ir
+    B, T, HQ, Dk = q.get_size()
+    H, Dv, n = k.get_size()[2], v.get_size()[3], block_idx.get_size()[3]
+    static = [V.graph.sizevars.guard_int(x) for x in (HQ, Dk, H, Dv, n)]
+    HQ, Dk, H, Dv, n = static
+    x = routing.Inputs("cuda", torch.cuda.get_device_capability(device), q.get_dtype(), Dk, Dv,
+                       V.graph.sizevars.size_hint(T), False)
+    impl = routing.choose(_OP, x).impl
+    if impl not in ("triton", "packed_sdpa"):
+        return fallback()
+
+    q, k, v, block_idx = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(t))
+                          for t in (q, k, v, block_idx))
+    layout = ir.FixedLayout(device, q.get_dtype(), [B, T, HQ, Dv],
+                            ir.FlexibleLayout.contiguous_strides([B, T, HQ, Dv]))
+    lse = api.empty_strided([B, T, HQ], None, dtype=torch.float32, device=device)
+    inputs = [q, k, v, block_idx, lse]
+
+    choices: list = []
+    if impl == "triton":
+        from nsa_ops.kernels.selection import forward_constants
+        constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.get_dtype())
+        constants["PREC"] = repr(constants["PREC"])  # rendered into the source as a literal
+        for num_warps, num_stages in _CONFIGS:
+            api.template.maybe_append_choice(
+                choices, input_nodes=inputs, layout=layout, mutated_inputs=[lse],
+                call_sizes=[B, T, HQ, Dk], num_stages=num_stages, num_warps=num_warps,
+                NSLOTS=n, QK_SCALE=scale * _LOG2E, **constants)
+    if routing.route(_OP, "packed_sdpa").refuse(x) is None:
+        api.packed.maybe_append_choice(choices, input_nodes=inputs, layout=layout,
+                                       sel_block=sel_block, scale=scale)
+    if not choices:
+        return fallback()
+
+    kwargs = dict(input_gen_fns={3: functools.partial(_valid_block_idx, sel_block=sel_block)})
+    if "return_multi_template" in api.autotune_params:
+        kwargs["return_multi_template"] = False  # lse's mutation record needs the final node
+    result = api.autotune("nsa_selection_attention", choices, inputs, layout, **kwargs)
+    out = result[0] if isinstance(result, tuple) else result
+    node = out.data.data if isinstance(out.data, ir.StorageBox) else out.data
+    if isinstance(node, ir.ExternKernel):
+        node.mutation_outputs.append(ir.MutationOutput(ir.NoneLayout(device=device), lse, node))
+    return out, lse
+
+
+_registered = False
+
+
+def register() -> bool:
+    """Register the lowering with Inductor (idempotent); False if this torch cannot take it."""
+    global _registered
+    if _registered:
+        return True
+    try:
+        from torch._inductor.lowering import fallback_handler, register_lowering  # noqa: F401
+    except ImportError as exc:
+        warnings.warn(f"nsa_ops.lowering: Inductor's register_lowering is unavailable ({exc}); "
+                      f"torch.compile calls the nsa ops as opaque ops", RuntimeWarning)
+        return False
+    register_lowering(torch.ops.nsa.selection_attention.default, type_promotion_kind=None)(
+        lower_selection_attention)
+    _registered = True
+    return True
+
+
+def registered() -> bool:
+    return _registered
+
+
+def unregister() -> None:
+    """Drop the lowering (tests use this to check the generic fallback)."""
+    global _registered
+    from torch._inductor.lowering import lowerings
+    lowerings.pop(torch.ops.nsa.selection_attention.default, None)
+    _registered = False
