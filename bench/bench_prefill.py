@@ -6,6 +6,8 @@ B=1, HQ=64, H=4, D=128, bf16 on one CUDA device. Methods:
   nsa_full     our NSA, spec defaults (l=32, d=16, l'=64, n=16, w=512, phi mean)
   nsa_fla_cfg  our NSA in fla's configuration (l=d=l'=64, n=16, no window branch)
   sdpa_causal  torch scaled_dot_product_attention, causal, GQA
+  *_compiled   the two NSA methods under torch.compile (selection lowers to nsa_ops.lowering's
+               template, the gate fuses into its epilogue)
   fla_nsa      fla.ops.nsa.parallel_nsa (l=d=l'=64, n=16, no window) when fla is importable
 Prints a table; writes prefill.csv and prefill.png (median ms, log scale) into --out.
 """
@@ -117,7 +119,10 @@ def main() -> None:
     args = parser.parse_args()
     from tqdm import tqdm
 
-    methods = {"nsa_full": nsa_full, "nsa_fla_cfg": nsa_fla_cfg, "sdpa_causal": sdpa_causal}
+    methods = {"nsa_full": nsa_full, "nsa_fla_cfg": nsa_fla_cfg, "sdpa_causal": sdpa_causal,
+               # one compile per length: the template and its autotuning see the real shapes
+               "nsa_full_compiled": torch.compile(nsa_full, fullgraph=True, dynamic=False),
+               "nsa_fla_cfg_compiled": torch.compile(nsa_fla_cfg, fullgraph=True, dynamic=False)}
     fla = fla_nsa()
     if fla is not None:
         methods["fla_nsa"] = fla

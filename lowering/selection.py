@@ -149,10 +149,11 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
     if api is None:
         return fallback()
     V, ir = api.V, api.ir
-    B, T, HQ, Dk = q.get_size()
-    H, Dv, n = k.get_size()[2], v.get_size()[3], block_idx.get_size()[3]
-    static = [V.graph.sizevars.guard_int(x) for x in (HQ, Dk, H, Dv, n)]
-    HQ, Dk, H, Dv, n = static
+    B, T = q.get_size()[:2]
+    # heads, head dims and slots are static: they pick the template's constexprs
+    HQ, Dk, H, Dv, n = (V.graph.sizevars.guard_int(d) for d in (
+        q.get_size()[2], q.get_size()[3], k.get_size()[2], v.get_size()[3],
+        block_idx.get_size()[3]))
     x = routing.Inputs("cuda", torch.cuda.get_device_capability(device), q.get_dtype(), Dk, Dv,
                        V.graph.sizevars.size_hint(T), False)
     impl = routing.choose(_OP, x).impl
