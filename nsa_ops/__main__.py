@@ -28,7 +28,7 @@ def demo(T: int = 1024, heads_q: int = 8, heads_kv: int = 2, head_dim: int = 64)
     do = torch.randn(1, T, heads_q, head_dim, device=device, dtype=dtype)
 
     x = Inputs.of(q, v)
-    for op in routing.OPS:
+    for op in routing.PREFILL_OPS:
         print(f"  torch.ops.nsa.{op:26s} runs {routing.choose(op, x).impl}")
 
     def step():

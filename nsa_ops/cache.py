@@ -3,15 +3,22 @@
 * selection: K/V of every cached token, ``[B, capacity, H, D]`` (positions 0..length-1);
 * window: the last ``w`` tokens, served as a view of the selection K/V (``window_kv``): every
   token is already cached there, so a separate ring copy would only double the writes;
-* compression: compressed K/V rows ``[B, num_cmp(capacity), H, D]``; block i is emitted by the
-  ``append`` that makes ``length >= i*d + l``, i.e. once position i*d + l - 1 is cached. The raw
-  tokens a future block needs are the newest ``l - 1`` (at most) rows of the selection K/V, so
-  nothing else is kept for it.
+* compression: compressed K/V rows ``[B, num_cmp(capacity) + 1, H, D]``; block i is emitted by
+  the ``append`` that makes ``length >= i*d + l``, i.e. once position i*d + l - 1 is cached. The
+  raw tokens a future block needs are the newest ``l - 1`` (at most) rows of the selection K/V, so
+  nothing else is kept for it. The extra last row is a write-off slot for `append_token`, which
+  computes phi at every step and must write it somewhere when no block completes.
 
 Keys are stored after RoPE, as attention and phi see them. ``capacity`` set: every tensor is
 allocated once at construction and written in place (addresses never change, so a GPU decode
 step can be CUDA-graph captured); appending past it raises. ``capacity=None``: storage grows by
 doubling. The batch shares one length (B >= 1 sequences of equal length).
+
+The length lives twice: ``length`` (host int, for shapes and checks) and ``device_length``
+(int64 [1] on the cache's device, what the decode kernel and a CUDA-graph step read). ``append``
+and ``reset`` keep both; `append_token` advances both without the host ever branching on device
+values, so it can be captured in a CUDA graph (a replay advances only ``device_length``: whoever
+replays bumps ``length``, as `nsa_ops.NSAAttention.cuda_graph_decoder` does).
 
 The per-step read counter (``last_reads``, int64 [Tq], one entry per query row of the last
 step) is written by `nsa_ops.decode.decode_attention`; see there for how rows are counted.
@@ -42,11 +49,13 @@ class NSACache:
         self.length = 0
         self.last_reads: Optional[Tensor] = None
         self.total_reads = torch.zeros((), dtype=torch.int64, device=device)
+        self.device_length = torch.zeros(1, dtype=torch.int64, device=device)
+        self._block_offsets = torch.arange(config.block_len, device=device)
         self._alloc(capacity or _GROW_MIN, dtype, torch.device(device))
 
     def _alloc(self, tokens: int, dtype, device) -> None:
         c, B, H = self.config, self.batch_size, self.config.num_kv_heads
-        rows = c.num_cmp(tokens)
+        rows = c.num_cmp(tokens) + 1  # + the write-off row of append_token
         # zeros, not empty: masked-out rows still enter p @ v, where 0 * NaN garbage would be NaN
         self.k = torch.zeros(B, tokens, H, c.head_dim_qk, dtype=dtype, device=device)
         self.v = torch.zeros(B, tokens, H, c.head_dim_v, dtype=dtype, device=device)
@@ -54,10 +63,11 @@ class NSACache:
         self.v_cmp = torch.zeros(B, rows, H, c.head_dim_v, dtype=dtype, device=device)
 
     def _grow(self, need: int) -> None:
-        old = (self.k, self.v, self.k_cmp, self.v_cmp)
+        old_k, old_v, old_k_cmp, old_v_cmp = self.k, self.v, self.k_cmp, self.v_cmp
         self._alloc(max(need, 2 * self.k.shape[1]), self.k.dtype, self.k.device)
-        for new, src in zip((self.k, self.v, self.k_cmp, self.v_cmp), old):
-            new[:, :src.shape[1]] = src
+        n, rows = self.length, self.num_cmp  # only the valid prefix is ever read
+        self.k[:, :n], self.v[:, :n] = old_k[:, :n], old_v[:, :n]
+        self.k_cmp[:, :rows], self.v_cmp[:, :rows] = old_k_cmp[:, :rows], old_v_cmp[:, :rows]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,6 +85,7 @@ class NSACache:
     def reset(self) -> None:
         """Forget every token; static storage is kept (and reused in place)."""
         self.length = 0
+        self.device_length.zero_()
         self.last_reads = None
         self.total_reads.zero_()
 
@@ -85,17 +96,12 @@ class NSACache:
         Stored detached: decode is inference, training runs the prefill path.
         """
         self._check(k, v)
-        Tq = k.shape[1]
-        old, new = self.length, self.length + Tq
-        if new > self.k.shape[1]:
-            if self.capacity is not None:
-                raise RuntimeError(f"NSACache is full: capacity={self.capacity} tokens, "
-                                   f"{old} cached, cannot append {Tq} more; allocate a larger "
-                                   f"capacity (or capacity=None to grow) or reset() it")
-            self._grow(new)
+        old, new = self.length, self.length + k.shape[1]
+        self.reserve(k.shape[1])
         self.k[:, old:new] = k.detach()
         self.v[:, old:new] = v.detach()
         self.length = new
+        self.device_length.fill_(new)
         c = self.config
         first, last = c.num_cmp(old), c.num_cmp(new)
         if last > first:
@@ -106,6 +112,47 @@ class NSACache:
                                                   None)
                 self.v_cmp[:, first:last] = phi_v(self.v[:, lo:hi], c.block_len, c.block_stride,
                                                   None)
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` more tokens: grow a growing cache, raise if a static one is
+        full."""
+        need = self.length + tokens
+        if need <= self.k.shape[1]:
+            return
+        if self.capacity is not None:
+            raise RuntimeError(f"NSACache is full: capacity={self.capacity} tokens, "
+                               f"{self.length} cached, cannot append {tokens} more; allocate a "
+                               f"larger capacity (or capacity=None to grow) or reset() it")
+        self._grow(need)
+
+    def append_token(self, k: Tensor, v: Tensor, phi_k, phi_v) -> None:
+        """Cache one token per sequence, k [B,1,H,Dk] (rotated), v [B,1,H,Dv], at position
+        ``device_length``: CUDA-graph safe (device-side positions, no host branch on values).
+
+        phi runs at every step over the newest l tokens; the result lands in row
+        (p - l + 1) / d when that block completes at p, else in the write-off row. The host
+        ``length`` is advanced too (by one), so eager callers see the same state as after append.
+        """
+        self._check(k, v)
+        if k.shape[1] != 1:
+            raise ValueError(f"k must hold one token per sequence ([B, 1, H, Dk]), "
+                             f"got {tuple(k.shape)}")
+        self.reserve(1)
+        c = self.config
+        pos = self.device_length.clone()
+        self.k.index_copy_(1, pos, k.detach())
+        self.v.index_copy_(1, pos, v.detach())
+        self.device_length.add_(1)
+        self.length += 1
+        first = pos - (c.block_len - 1)  # first token of the block that would end at pos
+        tokens = (first + self._block_offsets).clamp_min(0)
+        complete = (first >= 0) & (first % c.block_stride == 0)
+        row = torch.where(complete, first // c.block_stride, self.k_cmp.shape[1] - 1)
+        with torch.no_grad():
+            self.k_cmp.index_copy_(1, row, phi_k(self.k.index_select(1, tokens), c.block_len,
+                                                 c.block_stride, None))
+            self.v_cmp.index_copy_(1, row, phi_v(self.v.index_select(1, tokens), c.block_len,
+                                                 c.block_stride, None))
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         c = self.config

@@ -1,7 +1,12 @@
-"""Decode: NSA for the newest Tq tokens over an NSACache, in reference arithmetic.
+"""Decode: NSA for the newest Tq tokens over an NSACache.
 
-Query rows sit at positions p = length - Tq .. length - 1 (their K/V already appended). Each
-branch reads only its own cache, through `reference.masked_attention` with position masks:
+`decode_attention` asks the routing table (op "decode") for an implementation: the Triton kernels
+of `nsa_ops.kernels.decode` (CUDA, Tq == 1, reading the length from the cache's device tensor, so
+CUDA-graph capturable) or `decode_reference` below. Both count reads the same way.
+
+Reference: query rows sit at positions p = length - Tq .. length - 1 (their K/V already
+appended). Each branch reads only its own cache, through `reference.masked_attention` with
+position masks:
 
 * compressed: the emitted rows, visible iff i*d + l - 1 <= p;
 * selection: block scores from the compressed branch's lse (Eq.9/10, `reference.overlap_matrix`,
@@ -24,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import reference
+from . import reference, routing
 from .cache import NSACache
 
 # Query rows per pass: bounds the [rows, n*l'] gathered K/V when many tokens arrive at once.
@@ -64,8 +69,9 @@ def _selection(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, pos: Tensor, 
 
 
 def _rows(q: Tensor, p0: int, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor,
-          scale: float) -> tuple[Tensor, Tensor]:
-    """Rows at positions p0 .. p0 + Tq - 1 (p0 a host int: no device sync to find the window)."""
+          scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows at positions p0 .. p0 + Tq - 1 (p0 a host int: no device sync to find the window).
+    Returns (o, reads, block_idx [B,Tq,H,n]); tests compare the kernel's selection with it."""
     c = cache.config
     dev = q.device
     pos = torch.arange(p0, p0 + q.shape[1], device=dev)
@@ -91,7 +97,21 @@ def _rows(q: Tensor, p0: int, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g_w
                                           lambda t0, t1: win_mask[None, None, t0:t1], scale)
 
     reads = cmp_mask.sum(-1) + slc_reads + win_mask.sum(-1)
-    return reference.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win), reads
+    return reference.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win), reads, block_idx
+
+
+def decode_reference(q: Tensor, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """Routing entry ("decode", reference): (o [B,Tq,HQ,Dv], reads int64 [Tq])."""
+    outs, reads = [], []
+    Tq = q.shape[1]
+    for r0 in range(0, Tq, ROW_CHUNK):
+        r1 = min(Tq, r0 + ROW_CHUNK)
+        o, n, _ = _rows(q[:, r0:r1], cache.length - Tq + r0, cache, g_cmp[:, r0:r1],
+                        g_slc[:, r0:r1], g_win[:, r0:r1], scale)
+        outs.append(o)
+        reads.append(n)
+    return torch.cat(outs, 1), torch.cat(reads)
 
 
 def decode_attention(q: Tensor, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor,
@@ -102,13 +122,8 @@ def decode_attention(q: Tensor, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g
     if not 0 < Tq <= cache.length:
         raise ValueError(f"q must hold 1..{cache.length} query rows (the cached tokens), "
                          f"got Tq={Tq}")
-    outs, reads = [], []
-    for r0 in range(0, Tq, ROW_CHUNK):
-        r1 = min(Tq, r0 + ROW_CHUNK)
-        o, n = _rows(q[:, r0:r1], cache.length - Tq + r0, cache, g_cmp[:, r0:r1], g_slc[:, r0:r1],
-                     g_win[:, r0:r1], scale)
-        outs.append(o)
-        reads.append(n)
-    cache.last_reads = torch.cat(reads)
-    cache.total_reads += cache.last_reads.sum()
-    return torch.cat(outs, 1)
+    route = routing.choose("decode", routing.Inputs.of_cache(q, cache))
+    o, reads = routing.resolve(route.forward)(q, cache, g_cmp, g_slc, g_win, scale)
+    cache.last_reads = reads
+    cache.total_reads += reads.sum()
+    return o

@@ -1,12 +1,12 @@
 """NSAAttention: the user-facing NSA layer (projections, RoPE, phi, gate MLP, GQA, decode cache)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
-from . import reference
+from . import reference, routing
 from .cache import NSACache
 from .compression import PhiMLP
 from .config import NSAConfig
@@ -117,3 +117,73 @@ class NSAAttention(nn.Module):
             cache.append(k, v, self.phi_k, self.phi_v)
             o = decode_attention(q, cache, *self.gates(x), scale=c.scale)
         return self.o_proj(o.flatten(-2))
+
+    def cuda_graph_decoder(self, cache: NSACache) -> Callable[[Tensor], Tensor]:
+        """One decode step captured in a CUDA graph: ``step(x_t [B,1,hidden]) -> y_t [B,1,hidden]``.
+
+        ``step`` copies x_t into the graph's static input, replays, advances ``cache.length``
+        and returns the graph's static output (overwritten by the next step: clone to keep it).
+        Positions (RoPE, cache slots, compressed-row emission, the kernel's length) come from
+        ``cache.device_length``, so one capture serves every later step. Eager calls
+        ``self(x, cache)`` may be mixed in between: both paths keep the two lengths in sync.
+        Needs a CUDA cache with static capacity (a CUDA graph replays fixed addresses) and the
+        Triton decode kernel (the reference reads the length on the host).
+        """
+        c = self.config
+        w = self.q_proj.weight
+        if cache.config != c:
+            raise ValueError("cache must be built for this module's config "
+                             "(use module.new_cache())")
+        if cache.capacity is None:
+            raise ValueError("cache must have a static capacity for CUDA-graph decoding, e.g. "
+                             "module.new_cache(batch_size, capacity=N): a growing cache "
+                             "reallocates its tensors, and a graph replays fixed addresses")
+        if cache.device.type != "cuda" or cache.device != w.device or cache.dtype != w.dtype:
+            raise ValueError(f"cache must be a CUDA cache in the module's dtype and device "
+                             f"({w.dtype} on {w.device}), got {cache.dtype} on {cache.device}")
+        B = cache.batch_size
+        query_like = torch.empty(B, 1, c.num_heads, c.head_dim_qk, dtype=w.dtype, device=w.device)
+        x = routing.Inputs.of_cache(query_like, cache)
+        if routing.choose("decode", x).impl != "triton":
+            reasons = "; ".join(f"{impl}: {why}" for impl, why in routing.explain("decode", x))
+            raise ValueError(f"CUDA-graph decoding needs the triton decode kernel, which reads "
+                             f"the length on device; routing says {reasons}")
+        cache.reserve(1)
+        static_x = torch.zeros(B, 1, c.hidden_size, dtype=w.dtype, device=w.device)
+
+        def body() -> Tensor:
+            q, k, v = self._qkv(static_x, cache.device_length)
+            cache.append_token(k, v, self.phi_k, self.phi_v)
+            o = decode_attention(q, cache, *self.gates(static_x), scale=c.scale)
+            return self.o_proj(o.flatten(-2))
+
+        last_reads, total_reads = cache.last_reads, cache.total_reads.clone()
+        with torch.no_grad():
+            # compile the Triton kernels outside the capture; the token this appends at slot
+            # `length` is overwritten (with its compressed row) by the first real step
+            side = torch.cuda.Stream(w.device)
+            side.wait_stream(torch.cuda.current_stream(w.device))
+            with torch.cuda.stream(side):
+                body()
+                cache.length -= 1
+                cache.device_length.fill_(cache.length)
+                cache.total_reads.copy_(total_reads)
+            torch.cuda.current_stream(w.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_y = body()
+        cache.length -= 1  # capturing ran no kernel: undo append_token's host-side advance
+        static_reads, cache.last_reads = cache.last_reads, last_reads
+
+        def step(x_t: Tensor) -> Tensor:
+            if tuple(x_t.shape) != (B, 1, c.hidden_size):
+                raise ValueError(f"x_t must be [B, 1, hidden] = [{B}, 1, {c.hidden_size}], got "
+                                 f"{tuple(x_t.shape)}")
+            cache.reserve(1)
+            self._check_positions(cache.length + 1)
+            static_x.copy_(x_t)
+            graph.replay()
+            cache.length += 1
+            cache.last_reads = static_reads
+            return static_y
+        return step

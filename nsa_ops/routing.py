@@ -13,16 +13,28 @@ never imports Triton. The Inductor lowering (nsa_ops.lowering) asks the same tab
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from . import env
 
-OPS = ("compressed_attention", "select_blocks", "selection_attention", "sliding_window_attention")
+PREFILL_OPS = ("compressed_attention", "select_blocks", "selection_attention",
+               "sliding_window_attention")
+# decode: NSA of the newest token(s) over an NSACache (nsa_ops.decode), not a torch op
+OPS = PREFILL_OPS + ("decode",)
+
+
+class DecodeGeometry(NamedTuple):
+    """What the decode kernel's limits depend on besides the tensors: the cache's NSA geometry."""
+    block_len: int
+    block_stride: int
+    sel_block: int
+    capacity: int  # tokens the cache can hold
 
 
 @dataclass(frozen=True)
@@ -33,14 +45,22 @@ class Inputs:
     dtype: torch.dtype
     head_dim_qk: int
     head_dim_v: int
-    seqlen: int
+    seqlen: int  # query rows per sequence: T for the prefill ops, Tq for decode
     varlen: bool = False
+    decode: Optional[DecodeGeometry] = None
 
     @staticmethod
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> "Inputs":
         sm = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
         return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], q.shape[1],
                       cu_seqlens is not None)
+
+    @staticmethod
+    def of_cache(q: torch.Tensor, cache) -> "Inputs":
+        """Decode inputs: the query rows q [B,Tq,HQ,Dk] over an NSACache."""
+        c = cache.config
+        geometry = DecodeGeometry(c.block_len, c.block_stride, c.sel_block, cache.k.shape[1])
+        return dataclasses.replace(Inputs.of(q, cache.v), decode=geometry)
 
 
 Refusal = Callable[[Inputs], Optional[str]]
@@ -124,6 +144,29 @@ def _always(x: Inputs) -> Optional[str]:
     return None
 
 
+# Selection blocks (padded to a power of two) whose scores one decode program keeps in registers:
+# a cache capacity of at most 8192 * l' tokens (512k at l' = 64).
+DECODE_MAX_SEL_BLOCKS = 8192
+
+
+def _decode_kernel_serves(x: Inputs) -> Optional[str]:
+    if x.seqlen != 1:
+        return (f"the decode kernel takes one query row per sequence (Tq == 1), got "
+                f"Tq={x.seqlen}; a few tokens at once run the reference")
+    if x.decode is None:
+        return "no cache geometry given (use Inputs.of_cache)"
+    l, d, sel, capacity = x.decode
+    rpb = sel // d
+    if rpb & (rpb - 1) or l > sel + d:
+        return (f"the decode kernel needs l'/d a power of two and l <= l' + d (a compressed "
+                f"block spans at most two selection blocks), got l={l}, d={d}, l'={sel}")
+    blocks = max(16, 1 << (-(-capacity // sel) - 1).bit_length())
+    if blocks > DECODE_MAX_SEL_BLOCKS:
+        return (f"a cache of {capacity} tokens holds {blocks} selection blocks (padded), more "
+                f"than the {DECODE_MAX_SEL_BLOCKS} one decode program keeps in registers")
+    return None
+
+
 # SMs the selection kernel is tuned for, each with the sequence length below which packed SDPA
 # runs instead. From bench/bench_routing.py (forward; both rows share the Triton backward): on
 # sm90 the kernel won at every length measured, T = 16 .. 8192 at B = 1 and 8, by 25-60x
@@ -189,6 +232,9 @@ TABLE: tuple[Route, ...] = (
           (("backend", "triton"),)),
     Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",
           f"{_REF}:sliding_window_attention_backward", _always),
+    Route("decode", "triton", "nsa_ops.kernels.decode:decode_attention_fwd", None,
+          _first(_triton, _decode_kernel_serves)),
+    Route("decode", "reference", "nsa_ops.decode:decode_reference", None, _always),
 )
 
 
@@ -247,10 +293,11 @@ def describe(examples: Optional[list[Inputs]] = None) -> str:
         lines.append(f"  {op}: " + " -> ".join(r.impl for r in candidates(op)))
     for x in examples or default_examples():
         sm = f"sm{x.sm[0]}{x.sm[1]}" if x.sm else "-"
+        shape = (f"decode Tq={x.seqlen} cache {x.decode.capacity} tokens" if x.decode else
+                 f"T={x.seqlen}" + (" varlen" if x.varlen else ""))
         lines.append(f"\n{x.device_type} {sm} {str(x.dtype).replace('torch.', '')} "
-                     f"Dk={x.head_dim_qk} Dv={x.head_dim_v} T={x.seqlen}"
-                     + (" varlen" if x.varlen else ""))
-        for op in OPS:
+                     f"Dk={x.head_dim_qk} Dv={x.head_dim_v} {shape}")
+        for op in ("decode",) if x.decode else PREFILL_OPS:
             chosen = choose(op, x).impl
             lines.append(f"  {op:26s} -> {chosen}")
             for impl, reason in explain(op, x):
@@ -264,9 +311,13 @@ def default_examples() -> list[Inputs]:
     examples = [Inputs("cpu", None, torch.float32, 128, 128, 4096)]
     if torch.cuda.is_available():
         examples.append(Inputs("cuda", torch.cuda.get_device_capability(), bf16, 128, 128, 32768))
+    spec = DecodeGeometry(32, 16, 64, 65536)
     examples += [Inputs("cuda", (9, 0), bf16, 128, 128, 32768),
                  Inputs("cuda", (9, 0), bf16, 128, 128, 512),
                  Inputs("cuda", (9, 0), bf16, 192, 128, 32768),
                  Inputs("cuda", (8, 9), bf16, 128, 128, 32768),
-                 Inputs("cuda", (7, 5), torch.float16, 128, 128, 8192)]
+                 Inputs("cuda", (7, 5), torch.float16, 128, 128, 8192),
+                 Inputs("cuda", (9, 0), bf16, 128, 128, 1, decode=spec),
+                 Inputs("cuda", (9, 0), bf16, 128, 128, 4, decode=spec),
+                 Inputs("cpu", None, torch.float32, 128, 128, 1, decode=spec)]
     return examples

@@ -1,0 +1,329 @@
+"""Triton decode kernels (nsa_ops.kernels.decode), graph-safe cache append, the "decode" route.
+
+CPU cases run the kernels under TRITON_INTERPRET (conftest) on tiny geometry (test_decode.py's:
+l=16, d=8, l'=16, n=4, w=24) at positions on both sides of the compressed-emission, selection-block
+and window boundaries, and compare with `nsa_ops.decode`'s reference in float64 computed from the
+same (possibly fp16) cache: |kernel - reference| <= ATOL * (1 + |reference|), ATOL fp32 1e-5,
+fp16 1e-2. The selection must equal the reference's exactly and the read counter must equal
+reads(S). Scratch and outputs come from torch.empty, which the CPU tests make NaN / -7 filled,
+so anything the kernels leave unwritten shows up. bf16 is GPU-only (the interpreter's bf16 tl.dot
+is wrong).
+
+GPU cases (-m gpu): token-by-token decode of an NSAAttention with random weights equals its
+prefill (relative Frobenius error < 1e-2 fp16, < 2e-2 bf16, T=2000 crossing every boundary), the
+CUDA-graph decoder equals eager decode step by step, and at 64k the kernel equals the float32
+reference at a few positions.
+"""
+import contextlib
+
+import pytest
+import torch
+
+from nsa_ops import NSAAttention, NSACache, NSAConfig, reference, routing
+from nsa_ops import decode as dec
+from nsa_ops.kernels.decode import nsa_decode
+from nsa_ops.routing import Inputs
+
+GEO = dict(block_len=16, block_stride=8, sel_block=16, num_sel=4, window=24)
+ATOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+REL_GPU = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+# log2 of a block's Eq.9 mass is -inf when no row overlaps it; numpy warns about it
+pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty returns NaN (floats) or -7 (ints): unwritten outputs and scratch show up."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan") if x.is_floating_point() else -7)
+    torch.empty = poisoned
+    try:
+        yield
+    finally:
+        torch.empty = empty
+
+
+def config(G, H, Dk, Dv, **geo):
+    return NSAConfig(hidden_size=32, num_heads=G * H, num_kv_heads=H, head_dim_qk=Dk,
+                     head_dim_v=Dv, **{**GEO, **geo})
+
+
+def filled_cache(cfg, B, S, capacity, dtype, device="cpu", seed=0):
+    """A cache holding S random tokens (mean phi), plus its float64 twin for the reference."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, S, cfg.num_kv_heads, cfg.head_dim_qk, generator=g).to(dtype)
+    v = torch.randn(B, S, cfg.num_kv_heads, cfg.head_dim_v, generator=g).to(dtype)
+    cache = NSACache(cfg, B, capacity, dtype=dtype, device=device)
+    cache.append(k.to(device), v.to(device), reference.compress_mean, reference.compress_mean)
+    return cache
+
+
+def twin(cache, dtype):
+    """The same stored tokens and compressed rows, converted to dtype (same length)."""
+    out = NSACache(cache.config, cache.batch_size, cache.capacity, dtype=dtype,
+                   device=cache.device)
+    for name in ("k", "v", "k_cmp", "v_cmp"):
+        getattr(out, name).copy_(getattr(cache, name))
+    out.length = cache.length
+    out.device_length.copy_(cache.device_length)
+    return out
+
+
+def query(cfg, B, dtype, device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 1, cfg.num_heads, cfg.head_dim_qk, generator=g).to(dtype)
+    gates = [torch.rand(B, 1, cfg.num_heads, generator=g).to(dtype) for _ in range(3)]
+    return q.to(device), [x.to(device) for x in gates]
+
+
+def run_kernel(q, cache, gates, splits=None):
+    c = cache.config
+    return nsa_decode(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.device_length, *gates,
+                      block_len=c.block_len, block_stride=c.block_stride, sel_block=c.sel_block,
+                      num_sel=c.num_sel, window=c.window, scale=c.scale, splits=splits)
+
+
+def reference_step(q, cache, gates):
+    """(o, reads, block_idx) of the reference for the newest token, in cache's dtype."""
+    dt = cache.dtype
+    return dec._rows(q.to(dt), cache.length - 1, cache, *(g.to(dt) for g in gates),
+                     cache.config.scale)
+
+
+def assert_close(got, want, atol):
+    assert not got.isnan().any(), "NaN in the kernel output"
+    err = (got.double() - want.double()).abs() / (1 + want.double().abs())
+    assert err.max().item() <= atol, f"error {err.max().item():.3g} > {atol}"
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: kernel vs reference (interpreter)
+# --------------------------------------------------------------------------------------------
+
+# (B, G, H, Dk, Dv, splits, positions S): splits None is the occupancy heuristic (1, 1, 1 on CPU)
+CASES = [
+    (2, 2, 2, 16, 24, None, (1, 16, 17, 300)),
+    (1, 1, 2, 16, 16, (3, 2, 3), (15, 24, 25, 33, 64, 65)),
+    (1, 4, 1, 32, 16, (7, 3, 4), (31, 32, 129, 200)),
+    (2, 2, 1, 16, 32, (2, 1, 2), (48, 49, 97)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("B,G,H,Dk,Dv,splits,positions", CASES,
+                         ids=[f"B{c[0]}-G{c[1]}-H{c[2]}-Dk{c[3]}-Dv{c[4]}-splits{c[5]}"
+                              for c in CASES])
+def test_kernel_matches_reference(B, G, H, Dk, Dv, splits, positions, dtype):
+    if dtype == torch.float16:
+        positions = positions[-2:]  # fp16 reruns the same code: its two latest positions
+    cfg = config(G, H, Dk, Dv)
+    cache = filled_cache(cfg, B, max(positions), capacity=max(positions) + 7, dtype=dtype)
+    ref_cache = twin(cache, torch.float64)
+    q, gates = query(cfg, B, dtype)
+    for S in positions:
+        for c in (cache, ref_cache):
+            c.length = S
+            c.device_length.fill_(S)
+        with poisoned_empty():
+            o, reads, block_idx = run_kernel(q, cache, gates, splits)
+        want_o, want_reads, want_idx = reference_step(q, ref_cache, gates)
+        assert torch.equal(block_idx, want_idx), f"S={S}: selection differs"
+        assert reads.tolist() == want_reads.tolist() == [cfg.reads(S)], f"S={S}"
+        assert o.dtype == dtype and o.shape == (B, 1, G * H, Dv)
+        assert_close(o, want_o, ATOL[dtype])
+
+
+def test_kernel_selection_covers_many_blocks():
+    """n=6 among 40 blocks at l=32, d=16, l'=64 (two rows straddle each block edge)."""
+    cfg = config(2, 1, 16, 16, block_len=32, block_stride=16, sel_block=64, num_sel=6,
+                 window=40)
+    S = 2531
+    cache = filled_cache(cfg, 1, S, capacity=S, dtype=torch.float32)
+    q, gates = query(cfg, 1, torch.float32)
+    with poisoned_empty():
+        o, reads, block_idx = run_kernel(q, cache, gates, splits=(5, 1, 2))
+    want_o, want_reads, want_idx = reference_step(q, twin(cache, torch.float64), gates)
+    assert torch.equal(block_idx, want_idx)
+    cur = (S - 1) // cfg.sel_block
+    assert len(set(block_idx.flatten().tolist()) - {0, cur - 1, cur, -1}) == 3, \
+        "three blocks beyond the forced ones"
+    assert reads.tolist() == want_reads.tolist() == [cfg.reads(S)]
+    assert_close(o, want_o, ATOL[torch.float32])
+
+
+def test_kernel_input_errors():
+    cfg = config(2, 2, 16, 16)
+    cache = filled_cache(cfg, 1, 20, capacity=30, dtype=torch.float32)
+    q, gates = query(cfg, 1, torch.float32)
+    with pytest.raises(ValueError, match=r"q must hold one query row per sequence"):
+        run_kernel(q.expand(1, 2, -1, -1), cache, gates)
+    with pytest.raises(ValueError, match=r"g_slc must be a \[B, 1, HQ\]"):
+        run_kernel(q, cache, [gates[0], gates[1][:, :, :2], gates[2]])
+    with pytest.raises(ValueError, match="length must be an int64 tensor of shape"):
+        c = cache.config
+        nsa_decode(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, 20, *gates,
+                   block_len=c.block_len, block_stride=c.block_stride, sel_block=c.sel_block,
+                   num_sel=c.num_sel, window=c.window, scale=c.scale)
+    with pytest.raises(ValueError, match="k_cmp must be float16/bfloat16/float32"):
+        nsa_decode(q, cache.k, cache.v, cache.k_cmp.double(), cache.v_cmp, cache.device_length,
+                   *gates, block_len=16, block_stride=8, sel_block=16, num_sel=4, window=24,
+                   scale=0.25)
+    with pytest.raises(ValueError, match="splits must be three positive ints"):
+        run_kernel(q, cache, gates, splits=(1, 0, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: graph-safe append, routing
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("phi", ["mean", "mlp"])
+def test_append_token_equals_append(phi):
+    torch.manual_seed(0)
+    m = NSAAttention(config(2, 2, 16, 24, phi=phi)).double()
+    if phi == "mlp":
+        with torch.no_grad():
+            for p in list(m.phi_k.parameters()) + list(m.phi_v.parameters()):
+                p.normal_(0, 0.3)
+    T = 45  # emits rows 0..3 (at positions 15, 23, 31, 39) and crosses two selection blocks
+    k = torch.randn(2, T, 2, 16, dtype=torch.float64)
+    v = torch.randn(2, T, 2, 24, dtype=torch.float64)
+    bulk, stepped, grown = (m.new_cache(2, capacity=T), m.new_cache(2, capacity=T),
+                            m.new_cache(2))
+    bulk.append(k, v, m.phi_k, m.phi_v)
+    for t in range(T):
+        for c in (stepped, grown):
+            c.append_token(k[:, t:t + 1], v[:, t:t + 1], m.phi_k, m.phi_v)
+            assert c.length == t + 1 and c.device_length.tolist() == [t + 1]
+    for c in (stepped, grown):
+        assert torch.equal(c.selection_kv()[0], bulk.selection_kv()[0])
+        assert torch.equal(c.selection_kv()[1], bulk.selection_kv()[1])
+        torch.testing.assert_close(c.compressed_kv(), bulk.compressed_kv(), atol=1e-12, rtol=0)
+    with pytest.raises(RuntimeError, match="NSACache is full: capacity=45 tokens, 45 cached"):
+        stepped.append_token(k[:, :1], v[:, :1], m.phi_k, m.phi_v)
+    stepped.reset()
+    assert stepped.length == 0 and stepped.device_length.tolist() == [0]
+
+
+SPEC_GEOMETRY = routing.DecodeGeometry(block_len=32, block_stride=16, sel_block=64,
+                                       capacity=65536)
+
+
+def test_decode_route():
+    cuda = Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 1, decode=SPEC_GEOMETRY)
+    assert routing.choose("decode", cuda).impl == "triton"
+    several = Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 4, decode=SPEC_GEOMETRY)
+    assert routing.choose("decode", several).impl == "reference"
+    assert "Tq == 1" in dict(routing.explain("decode", several))["triton"]
+    assert routing.choose("decode", Inputs("cpu", None, torch.float32, 8, 12, 1,
+                                           decode=SPEC_GEOMETRY)).impl == "reference"
+
+
+@pytest.mark.parametrize("geometry,why", [
+    (routing.DecodeGeometry(32, 16, 48, 4096), "l'/d a power of two"),
+    (routing.DecodeGeometry(96, 16, 64, 4096), "l <= l' + d"),
+    (routing.DecodeGeometry(32, 16, 64, 2 ** 20), "selection blocks (padded)"),
+])
+def test_decode_geometry_the_kernel_cannot_serve_runs_the_reference(geometry, why):
+    x = Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 1, decode=geometry)
+    assert routing.choose("decode", x).impl == "reference"
+    assert why in dict(routing.explain("decode", x))["triton"]
+
+
+def test_forced_reference_decode_on_cpu(monkeypatch):
+    monkeypatch.setenv("NSA_OPS_FORCE_IMPL_DECODE", "triton")
+    x = Inputs("cpu", None, torch.float32, 8, 12, 1, decode=SPEC_GEOMETRY)
+    with pytest.raises(ValueError, match="no implementation of nsa.decode"):
+        routing.choose("decode", x)
+
+
+def test_cuda_graph_decoder_needs_static_cuda_cache():
+    m = NSAAttention(config(2, 2, 16, 16))
+    with pytest.raises(ValueError, match="static capacity"):
+        m.cuda_graph_decoder(m.new_cache(1))
+    with pytest.raises(ValueError, match="must be a CUDA cache"):
+        m.cuda_graph_decoder(m.new_cache(1, capacity=64))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+
+SPEC = dict(hidden_size=256, num_heads=16, num_kv_heads=2, head_dim_qk=64, head_dim_v=64)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def gpu_layer(dtype, seed=0, **over):
+    torch.manual_seed(seed)
+    m = NSAAttention(NSAConfig(**{**SPEC, **over})).to("cuda", dtype)
+    with torch.no_grad():
+        m.gate[-1].weight.normal_(0, 0.3)  # every branch matters
+    return m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_token_by_token_equals_prefill(dtype):
+    T = 2000
+    m = gpu_layer(dtype)
+    x = torch.randn(1, T, SPEC["hidden_size"], device="cuda", dtype=dtype)
+    with torch.no_grad():
+        ref = m(x)
+        cache = m.new_cache(1, capacity=T)
+        query_like = torch.empty(1, 1, SPEC["num_heads"], SPEC["head_dim_qk"], device="cuda",
+                                 dtype=dtype)
+        assert routing.choose("decode", Inputs.of(query_like, cache.v)).impl == "triton"
+        outs = [m(x[:, t:t + 1], cache) for t in range(T)]
+        reads = cache.total_reads.item()
+    out = torch.cat(outs, 1)
+    assert rel_err(out, ref) < REL_GPU[dtype]
+    assert reads == sum(m.config.reads(S) for S in range(1, T + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt", [0, 100])
+def test_gpu_cuda_graph_decoder_equals_eager(prompt):
+    steps, dtype = 400, torch.bfloat16
+    m = gpu_layer(dtype, seed=1, max_position=1024)
+    x = torch.randn(1, prompt + steps, SPEC["hidden_size"], device="cuda", dtype=dtype)
+    eager, graphed = m.new_cache(1), m.new_cache(1)
+    with torch.no_grad():
+        if prompt:
+            m(x[:, :prompt], eager)
+            m(x[:, :prompt], graphed)
+        step = m.cuda_graph_decoder(graphed)
+        assert graphed.length == prompt and graphed.device_length.item() == prompt
+        for t in range(prompt, prompt + steps):
+            want = m(x[:, t:t + 1], eager)
+            got = step(x[:, t:t + 1])
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+            assert graphed.length == eager.length == t + 1
+            assert graphed.last_reads.tolist() == [m.config.reads(t + 1)]
+    assert graphed.device_length.item() == prompt + steps
+    assert graphed.total_reads.item() == eager.total_reads.item()
+    torch.testing.assert_close(graphed.compressed_kv(), eager.compressed_kv())
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_64k_matches_reference():
+    cfg = NSAConfig(hidden_size=64, num_heads=64, num_kv_heads=4, head_dim_qk=128,
+                    head_dim_v=128)
+    S = 65536
+    cache = filled_cache(cfg, 1, S, capacity=S, dtype=torch.bfloat16, device="cuda")
+    ref_cache = twin(cache, torch.float32)
+    q, gates = query(cfg, 1, torch.bfloat16, device="cuda")
+    for pos in (4097, 40000, 65536):
+        for c in (cache, ref_cache):
+            c.length = pos
+            c.device_length.fill_(pos)
+        o, reads, block_idx = run_kernel(q, cache, gates)
+        want_o, _, want_idx = reference_step(q, ref_cache, gates)
+        assert reads.tolist() == [cfg.reads(pos)]
+        assert (block_idx == want_idx).float().mean().item() > 0.95
+        assert rel_err(o, want_o) < REL_GPU[torch.bfloat16]
