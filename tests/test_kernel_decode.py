@@ -278,7 +278,7 @@ def test_gpu_token_by_token_equals_prefill(dtype):
         cache = m.new_cache(1, capacity=T)
         query_like = torch.empty(1, 1, SPEC["num_heads"], SPEC["head_dim_qk"], device="cuda",
                                  dtype=dtype)
-        assert routing.choose("decode", Inputs.of(query_like, cache.v)).impl == "triton"
+        assert routing.choose("decode", Inputs.of_cache(query_like, cache)).impl == "triton"
         outs = [m(x[:, t:t + 1], cache) for t in range(T)]
         reads = cache.total_reads.item()
     out = torch.cat(outs, 1)
