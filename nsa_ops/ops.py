@@ -25,7 +25,10 @@ def _route(op: str, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> routi
 
 
 def _call(target: str, route: routing.Route, *args):
-    return routing.resolve(target)(*args, **dict(route.options))
+    # inputs arrive in the dtypes the caller's autocast chose; inside, the implementation's own
+    # precision rules hold (float32 lse, float32 accumulation), not autocast's per-op casts
+    with torch.autocast(args[0].device.type, enabled=False):
+        return routing.resolve(target)(*args, **dict(route.options))
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:

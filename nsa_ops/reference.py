@@ -113,7 +113,8 @@ def compress_mlp(x: Tensor, block_len: int, block_stride: int, pos_emb: Tensor, 
     """
     blocks = gather_blocks(x, block_len, block_stride, cu_seqlens) + pos_emb  # [B,N,H,l,D]
     hidden = torch.nn.functional.gelu(blocks.flatten(-2) @ w1.t() + b1)
-    return blocks.mean(dim=-2) + hidden @ w2.t() + b2
+    # in x's dtype like mean pooling: under autocast, float32 parameters would promote the rows
+    return (blocks.mean(dim=-2) + hidden @ w2.t() + b2).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------

@@ -140,3 +140,25 @@ def test_input_errors():
         m(torch.randn(1, 65, 32))
     with pytest.raises(ValueError, match="cache must be built"):
         m(torch.randn(1, 1, 32), cache=nsa_ops.NSACache(cfg()))
+
+
+@pytest.mark.parametrize("phi", ["mean", "mlp"])
+def test_bf16_autocast_matches_float32(phi):
+    """Under autocast the ops keep their own precision rules (float32 lse) and phi keeps k's
+    dtype, so a mixed-precision forward and backward run and stay close to float32."""
+    torch.manual_seed(0)
+    m = NSAAttention(cfg(phi=phi, head_dim_v=8))
+    with torch.no_grad():
+        for p in m.gate[-1].parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 70, 32, generator=torch.Generator().manual_seed(1))
+    ref = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(x)
+    assert out.dtype == torch.bfloat16
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, rel
+    out.float().square().sum().backward()
+    grads = [p.grad for p in (m.q_proj.weight, m.k_proj.weight, m.v_proj.weight,
+                              m.gate[-1].weight)]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
