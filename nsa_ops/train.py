@@ -1,0 +1,512 @@
+"""Training showcase: a small NSA language model vs a dense-attention baseline.
+
+    python -m nsa_ops.train [--preset cpu|gpu] [--steps N] [--device DEV] [--out DIR] [--seed S]
+
+Task: multi-query associative recall. A long context of blank tokens holds num_facts "fact"
+tokens, each binding a key to one of num_values values; the sequence ends with num_queries
+queries, each a key followed by its fact. Every fact lies farther back than the sliding
+window of every query, so NSA can only recall it through the compressed and selected branches.
+Training minimises the cross-entropy of the answers (the fact after each query key): every
+other token is a blank or a random draw, so only the answers measure recall.
+
+NSA and dense attention share everything else: data order, the initial weights of all layers
+they have in common, AdamW with linear warmup and cosine decay, steps. Writes train_loss.csv and
+train_loss.png (needs matplotlib) into --out; elapsed_s counts training time, not evaluation.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import platform
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import NSAConfig
+from .module import NSAAttention, rope
+
+MODELS = ("nsa", "dense")
+CSV_FIELDS = ("step", "model", "train_loss", "eval_loss", "eval_answer_acc", "elapsed_s")
+BLANK = 0
+# keeps the eval batch out of the training stream whatever the seed
+EVAL_SEED_OFFSET = 1_000_003
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Model, data, optimisation and NSA geometry of one run."""
+    seq_len: int
+    batch_size: int
+    steps: int
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_keys: int       # key vocabulary; keys are distinct within a sequence
+    num_values: int     # values per key: chance accuracy is 1 / num_values
+    num_facts: int      # facts hidden in the context
+    num_queries: int    # of them, asked at the end
+    lr: float
+    warmup: int
+    eval_every: int
+    eval_batch_size: int
+    block_len: int
+    block_stride: int
+    sel_block: int
+    num_sel: int
+    window: int
+    phi: str = "mean"
+    weight_decay: float = 0.1
+    mlp_ratio: int = 4
+    bf16: bool = False  # autocast, honoured on CUDA only
+
+    @property
+    def vocab_size(self) -> int:
+        return 1 + self.num_keys * (1 + self.num_values)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens before the query section (the last 2 * num_queries inputs and targets)."""
+        return self.seq_len + 1 - 2 * self.num_queries
+
+    def nsa_config(self) -> NSAConfig:
+        return NSAConfig(hidden_size=self.hidden_size, num_heads=self.num_heads,
+                         num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim,
+                         head_dim_v=self.head_dim, block_len=self.block_len,
+                         block_stride=self.block_stride, sel_block=self.sel_block,
+                         num_sel=self.num_sel, window=self.window, phi=self.phi)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that cannot work."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)
+                                    or value <= 0):
+                raise ValueError(f"Preset.{f.name} must be a positive int, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"Preset.lr must be positive, got {self.lr!r}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"Preset.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.num_queries > self.num_facts:
+            raise ValueError(f"Preset.num_queries must be <= num_facts={self.num_facts}, got "
+                             f"{self.num_queries}")
+        if self.num_facts > self.num_keys:
+            raise ValueError(f"Preset.num_facts must be <= num_keys={self.num_keys} (keys are "
+                             f"distinct within a sequence), got {self.num_facts}")
+        if self.num_facts > self.context_len - self.window:
+            raise ValueError(f"Preset.num_facts={self.num_facts} facts do not fit before the "
+                             f"window: seq_len={self.seq_len} leaves "
+                             f"{self.context_len - self.window} positions")
+        self.nsa_config()
+
+
+# cpu: each query sees the last w=32 tokens, n=6 selected blocks of 16 (block 0 and the two
+# local ones among them) and 31 compressed blocks. The facts lie in ~13 blocks beyond the window
+# and only 3 are selected per query, so recall has to learn which ones: the compressed scores
+# drive the choice, and phi="mlp" (the paper's) lets compression weight the facts above blanks.
+# gpu: the spec's default geometry at 4k context (each query reads 255 + 1024 + 512 of 4096),
+# phi="mlp" as on CPU, bf16 autocast.
+PRESETS = {
+    "cpu": Preset(seq_len=256, batch_size=16, steps=400, num_layers=2, hidden_size=64,
+                  num_heads=2, num_kv_heads=1, head_dim=32, num_keys=8, num_values=8,
+                  num_facts=8, num_queries=8, lr=3e-3, warmup=20, eval_every=25,
+                  eval_batch_size=32, block_len=16, block_stride=8, sel_block=16, num_sel=6,
+                  window=32, phi="mlp"),
+    "gpu": Preset(seq_len=4096, batch_size=16, steps=1500, num_layers=4, hidden_size=512,
+                  num_heads=8, num_kv_heads=2, head_dim=64, num_keys=64, num_values=16,
+                  num_facts=32, num_queries=32, lr=1e-3, warmup=100, eval_every=100,
+                  eval_batch_size=64, block_len=32, block_stride=16, sel_block=64, num_sel=16,
+                  window=512, phi="mlp", bf16=True),
+}
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+def fact_token(p: Preset, key: Tensor, value: Tensor) -> Tensor:
+    """The token binding key index k to value index v (query key tokens are 1 + k)."""
+    return 1 + p.num_keys + key * p.num_values + value
+
+
+def _random_subset(generator: torch.Generator, rows: int, n: int, k: int) -> Tensor:
+    """Per row, k distinct indices of range(n) in random order."""
+    return torch.rand(rows, n, generator=generator).argsort(-1)[:, :k]
+
+
+def make_batch(p: Preset, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """One batch: tokens [B, seq_len+1] int64 and answers [B, seq_len] bool.
+
+    The context is blank except for num_facts fact tokens at random positions before
+    context_len - window. The query section is num_queries (key, fact) pairs for distinct
+    facts in random order. answers[b, t] marks the inputs t whose target tokens[b, t+1] is a
+    queried fact.
+
+    One blank token rather than varied filler: with 4 filler tokens the cpu preset's dense
+    model had not started to recall after 300 steps; with one, it recalls after ~100.
+    """
+    B, C, P, Q = batch_size, p.context_len, p.num_facts, p.num_queries
+    tokens = torch.full((B, p.seq_len + 1), BLANK, dtype=torch.long)
+    keys = _random_subset(generator, B, p.num_keys, P)
+    facts = fact_token(p, keys, torch.randint(0, p.num_values, (B, P), generator=generator))
+    tokens.scatter_(1, _random_subset(generator, B, C - p.window, P), facts)
+    asked = _random_subset(generator, B, P, Q)
+    query_pos = C + 2 * torch.arange(Q).expand(B, Q)
+    tokens.scatter_(1, query_pos, 1 + keys.gather(1, asked))
+    tokens.scatter_(1, query_pos + 1, facts.gather(1, asked))
+    answers = torch.zeros(B, p.seq_len, dtype=torch.bool)
+    answers.scatter_(1, query_pos, True)
+    return tokens, answers
+
+
+# ---- model -----------------------------------------------------------------------------------
+
+class DenseAttention(nn.Module):
+    """The baseline: NSAAttention's projections, RoPE and GQA, with full causal attention."""
+
+    def __init__(self, config: NSAConfig):
+        super().__init__()
+        self.config = c = config
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim_qk, bias=c.bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim_qk, bias=c.bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim_v, bias=c.bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.hidden_size, bias=c.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        c = self.config
+        pos = torch.arange(x.shape[1], device=x.device)
+        q = rope(self.q_proj(x).unflatten(-1, (c.num_heads, -1)), pos, c.rope_theta)
+        k = rope(self.k_proj(x).unflatten(-1, (c.num_kv_heads, -1)), pos, c.rope_theta)
+        v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, -1))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True, enable_gqa=True,
+                                           scale=c.scale)
+        return self.o_proj(o.transpose(1, 2).flatten(-2))
+
+
+class Block(nn.Module):
+    def __init__(self, attn: nn.Module, hidden: int, mlp_ratio: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(hidden)
+        self.attn = attn
+        self.mlp_norm = nn.RMSNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_ratio * hidden, bias=False), nn.GELU(),
+                                 nn.Linear(mlp_ratio * hidden, hidden, bias=False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _attention(p: Preset, attention: str, seed: int) -> nn.Module:
+    """An attention layer drawn from its own RNG stream: NSA's gate MLP draws numbers the dense
+    layer does not, and the layers after it must still start equal in both models. Both create
+    q/k/v/o first, so those start equal too."""
+    layer = NSAAttention if attention == "nsa" else DenseAttention
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return layer(p.nsa_config())
+
+
+class TinyLM(nn.Module):
+    """Decoder-only LM: embedding, pre-norm blocks, final norm, LM head."""
+
+    def __init__(self, p: Preset, attention: str, seed: int = 0):
+        super().__init__()
+        if attention not in MODELS:
+            raise ValueError(f"attention must be one of {MODELS}, got {attention!r}")
+        self.embed = nn.Embedding(p.vocab_size, p.hidden_size)
+        self.blocks = nn.ModuleList(Block(_attention(p, attention, seed + 1 + i),
+                                          p.hidden_size, p.mlp_ratio)
+                                    for i in range(p.num_layers))
+        self.norm = nn.RMSNorm(p.hidden_size)
+        self.head = nn.Linear(p.hidden_size, p.vocab_size, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def build_model(p: Preset, attention: str, seed: int) -> TinyLM:
+    """attention "nsa" or "dense"; equal seeds give equal weights wherever the two coincide."""
+    torch.manual_seed(seed)
+    return TinyLM(p, attention, seed)
+
+
+def answer_loss(logits: Tensor, tokens: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
+    """(cross-entropy, accuracy) of the answers; logits [B,T,V] for tokens [B,T+1]."""
+    picked = logits[answers].float()
+    targets = tokens[:, 1:][answers]
+    return F.cross_entropy(picked, targets), (picked.argmax(-1) == targets).float().mean()
+
+
+# ---- training --------------------------------------------------------------------------------
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warmup to 1, then cosine decay to 0.1 at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _autocast(p: Preset, device: torch.device):
+    if p.bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def train_step(model: TinyLM, opt: torch.optim.Optimizer, batch: tuple[Tensor, Tensor],
+               p: Preset, device: torch.device) -> Tensor:
+    """One AdamW step on the answer loss; returns that loss, detached and not synchronised."""
+    tokens, answers = (t.to(device) for t in batch)
+    with _autocast(p, device):
+        loss = answer_loss(model(tokens[:, :-1]), tokens, answers)[0]
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate(model: TinyLM, batch: tuple[Tensor, Tensor], p: Preset,
+             device: torch.device) -> tuple[float, float]:
+    """(answer loss, answer accuracy) on a held-out batch."""
+    model.eval()
+    tokens, answers = (t.to(device) for t in batch)
+    with _autocast(p, device):
+        logits = model(tokens[:, :-1])
+    model.train()
+    loss, acc = answer_loss(logits, tokens, answers)
+    return loss.item(), acc.item()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Progress:
+    """A tqdm bar when tqdm is importable, else a line per evaluation."""
+
+    def __init__(self, total: int, name: str):
+        self.total, self.name = total, name
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, desc=name, unit="step")
+
+    def update(self, row: Optional[dict]) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if row is not None:
+                self.bar.set_postfix(loss=f"{row['eval_loss']:.3f}",
+                                     acc=f"{row['eval_answer_acc']:.3f}")
+        elif row is not None:
+            print(f"{self.name:5s} step {row['step']:5d}/{self.total}  train loss "
+                  f"{row['train_loss']:.4f}  eval loss {row['eval_loss']:.4f}  answer acc "
+                  f"{row['eval_answer_acc']:.3f}  {row['elapsed_s']:.0f}s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_model(p: Preset, attention: str, device: torch.device, seed: int) -> list[dict]:
+    """Train one model; a CSV row per evaluation (train_loss: mean over the steps since the
+    previous row)."""
+    model = build_model(p, attention, seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
+                            betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup, p.steps))
+    data = torch.Generator().manual_seed(seed)
+    eval_batch = make_batch(p, p.eval_batch_size,
+                            torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
+    progress = _Progress(p.steps, attention)
+    rows, running, since, train_s = [], torch.zeros((), device=device), 0, 0.0
+    for step in range(1, p.steps + 1):
+        start = time.perf_counter()
+        running += train_step(model, opt, make_batch(p, p.batch_size, data), p, device)
+        sched.step()
+        since += 1
+        due = step % p.eval_every == 0 or step == p.steps
+        if due:
+            _sync(device)  # CUDA steps run ahead; the wait lands in this interval's time
+        train_s += time.perf_counter() - start
+        row = None
+        if due:
+            eval_loss, acc = evaluate(model, eval_batch, p, device)
+            row = dict(step=step, model=attention, train_loss=running.item() / since,
+                       eval_loss=eval_loss, eval_answer_acc=acc, elapsed_s=train_s)
+            rows.append(row)
+            running.zero_()
+            since = 0
+        progress.update(row)
+    progress.close()
+    return rows
+
+
+# ---- reporting -------------------------------------------------------------------------------
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True,
+                                       cwd=Path(__file__).resolve().parent,
+                                       stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_header(device: torch.device, preset_name: str) -> str:
+    """What a committed result names: device, versions, commit, preset."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{device.type} ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return (f"device={name} torch={torch.__version__} commit={_commit()} "
+            f"python={platform.python_version()} preset={preset_name}")
+
+
+def write_csv(path: Path, rows: list[dict], header: str) -> None:
+    """Rows under a '# header' line naming device, versions and commit."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        f.write(f"# {header}\n")
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows: list[dict], path: Path, title: str, chance: float) -> bool:
+    """Answer loss and accuracy per model; False, with a hint, when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed, so {path.name} was not drawn: "
+              f"pip install matplotlib (or pip install 'nsa-ops[train]')")
+        return False
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
+        mine = [r for r in rows if r["model"] == name]
+        steps = [r["step"] for r in mine]
+        color = f"C{i}"
+        loss_ax.plot(steps, [r["train_loss"] for r in mine], "--", color=color, alpha=0.6,
+                     label=f"{name} train")
+        loss_ax.plot(steps, [r["eval_loss"] for r in mine], "-", color=color, marker=".",
+                     label=f"{name} eval")
+        acc_ax.plot(steps, [r["eval_answer_acc"] for r in mine], "-", color=color, marker=".",
+                    label=name)
+    acc_ax.axhline(chance, color="gray", linestyle=":", label="chance")
+    loss_ax.set_ylabel("answer cross-entropy")
+    acc_ax.set_ylabel("eval answer accuracy")
+    acc_ax.set_ylim(-0.02, 1.02)
+    for ax in (loss_ax, acc_ax):
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def summary(rows: list[dict], params: dict[str, int]) -> str:
+    lines = [f"{'model':6s} {'params':>8s} {'eval loss':>10s} {'answer acc':>11s} {'train s':>8s}"]
+    for name, count in params.items():
+        last = [r for r in rows if r["model"] == name][-1]
+        lines.append(f"{name:6s} {count:8d} {last['eval_loss']:10.4f} "
+                     f"{last['eval_answer_acc']:11.3f} {last['elapsed_s']:8.1f}")
+    return "\n".join(lines)
+
+
+# ---- entry points ----------------------------------------------------------------------------
+
+def resolve_preset(preset: Union[str, Preset], steps: Optional[int] = None) -> Preset:
+    """A preset by name or as given, with steps (and warmup, eval_every) capped to steps."""
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {preset!r}")
+        preset = PRESETS[preset]
+    elif not isinstance(preset, Preset):
+        raise ValueError(f"preset must be a preset name or a Preset, got "
+                         f"{type(preset).__name__}")
+    if steps is not None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        preset = dataclasses.replace(preset, steps=steps, warmup=min(preset.warmup, steps),
+                                     eval_every=min(preset.eval_every, steps))
+    preset.validate()
+    return preset
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+
+
+def run(preset: Union[str, Preset] = "cpu", steps: Optional[int] = None,
+        device: Union[str, torch.device, None] = None, out: Union[str, Path, None] = None,
+        seed: int = 0) -> list[dict]:
+    """Train NSA, then dense, on the same data; write the CSV (and PNG) into out; return the
+    CSV rows. out defaults to bench/results/train_<preset>."""
+    name = preset if isinstance(preset, str) else "custom"
+    p = resolve_preset(preset, steps)
+    _check_seed(seed)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(out or f"bench/results/train_{name}")
+    header = run_header(device, name)
+    print(header)
+    print(f"{p.num_facts} facts ({p.num_keys} keys x {p.num_values} values) in {p.seq_len} "
+          f"tokens, {p.num_queries} queries; {p.num_layers} layers, hidden {p.hidden_size}; "
+          f"{p.steps} steps of {p.batch_size}")
+    start = time.perf_counter()
+    rows, params = [], {}
+    for attention in MODELS:
+        rows += train_model(p, attention, device, seed)
+        params[attention] = sum(t.numel() for t in build_model(p, attention, seed).parameters())
+    wall = time.perf_counter() - start
+    write_csv(out / "train_loss.csv", rows, header)
+    plotted = plot(rows, out / "train_loss.png", header, chance=1 / p.num_values)
+    print(summary(rows, params))
+    print(f"wall time {wall:.1f}s (both models, with evaluation); wrote "
+          f"{out / 'train_loss.csv'}" + (f" and {out / 'train_loss.png'}" if plotted else ""))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nsa_ops.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="cpu")
+    parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--out", default=None, help="default: bench/results/train_<preset>")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        resolve_preset(args.preset, args.steps)
+        _check_seed(args.seed)
+    except ValueError as e:
+        parser.error(str(e))
+    run(args.preset, args.steps, args.device, args.out, args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The training showcase (nsa_ops.train): data, models, loop, CSV/PNG output, argument errors."""
+import csv
+import dataclasses
+import math
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nsa_ops
+from nsa_ops import train
+
+MICRO = dataclasses.replace(
+    train.PRESETS["cpu"], seq_len=64, batch_size=4, steps=4, num_layers=1, hidden_size=32,
+    num_heads=2, num_kv_heads=1, head_dim=16, num_keys=6, num_values=4, num_facts=4,
+    num_queries=3, warmup=2, eval_every=2, eval_batch_size=4, block_len=8, block_stride=4,
+    sel_block=8, num_sel=3, window=16)
+NSA_OPS = {"compressed_attention", "select_blocks", "selection_attention",
+           "sliding_window_attention"}
+
+
+def batch(seed, p=MICRO, size=8):
+    return train.make_batch(p, size, torch.Generator().manual_seed(seed))
+
+
+def recall(p, tokens, answers):
+    """Answer every query from the context alone: the fact whose key is the queried key."""
+    first_fact = 1 + p.num_keys
+    out = []
+    for row, marks in zip(tokens, answers):
+        context = row[:p.context_len]
+        facts = context[context >= first_fact]
+        for t in marks.nonzero().flatten().tolist():
+            key = row[t].item() - 1
+            match = facts[(facts - first_fact) // p.num_values == key]
+            assert len(match) == 1, f"key {key} is in the context {len(match)} times"
+            out.append(match.item())
+    return torch.tensor(out)
+
+
+def test_batches_are_deterministic_per_seed():
+    a, b, c = batch(0), batch(0), batch(1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_answers_are_recoverable_from_the_context_only():
+    p = MICRO
+    tokens, answers = batch(3)
+    assert tokens.shape == (8, p.seq_len + 1) and answers.shape == (8, p.seq_len)
+    assert int(answers.sum()) == 8 * p.num_queries
+    targets = tokens[:, 1:][answers]
+    assert torch.equal(recall(p, tokens, answers), targets)
+    # every fact lies beyond the sliding window of every query
+    facts_at = (tokens[:, :p.context_len] > p.num_keys).nonzero()[:, 1]
+    assert int(facts_at.max()) < p.context_len - p.window
+    assert int((tokens > p.num_keys).sum()) == 8 * (p.num_facts + p.num_queries)
+
+
+@pytest.mark.parametrize("attention", train.MODELS)
+def test_training_on_a_fixed_batch_reduces_the_loss(attention):
+    torch.manual_seed(0)
+    model = train.build_model(MICRO, attention, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fixed = batch(5)
+    losses = [train.train_step(model, opt, fixed, MICRO, torch.device("cpu")).item()
+              for _ in range(12)]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "nsa":
+            self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("attention", train.MODELS)
+def test_only_the_nsa_model_runs_torch_ops_nsa(attention):
+    model = train.build_model(MICRO, attention, seed=0)
+    layer = nsa_ops.NSAAttention if attention == "nsa" else train.DenseAttention
+    assert all(type(block.attn) is layer for block in model.blocks)
+    tokens, answers = batch(0, size=2)
+    with OpRecorder() as rec:
+        train.answer_loss(model(tokens[:, :-1]), tokens, answers)[0].backward()
+    if attention == "nsa":
+        assert NSA_OPS <= rec.names, rec.names
+        assert any(name.endswith("_backward") for name in rec.names), rec.names
+    else:
+        assert not rec.names
+
+
+def test_shared_layers_start_equal():
+    nsa, dense = (train.build_model(MICRO, a, seed=0).state_dict() for a in train.MODELS)
+    shared = set(nsa) & set(dense)
+    assert {k for k in dense if "q_proj" in k} <= shared
+    for key in shared:
+        assert torch.equal(nsa[key], dense[key]), key
+
+
+def read_csv(path):
+    with open(path) as f:
+        header = f.readline()
+        return header, list(csv.DictReader(f))
+
+
+def test_run_writes_csv_and_png(tmp_path):
+    rows = train.run(MICRO, out=tmp_path)
+    header, written = read_csv(tmp_path / "train_loss.csv")
+    assert header.startswith("# device=") and "torch=" in header and "commit=" in header
+    assert list(written[0]) == list(train.CSV_FIELDS)
+    assert [(r["model"], int(r["step"])) for r in written] == \
+        [(m, s) for m in train.MODELS for s in (2, 4)]
+    assert len(rows) == len(written)
+    for r in written:
+        for key in ("train_loss", "eval_loss", "eval_answer_acc", "elapsed_s"):
+            assert math.isfinite(float(r[key])), (key, r)
+        assert 0 <= float(r["eval_answer_acc"]) <= 1
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "train_loss.png").stat().st_size > 0
+
+
+def test_run_without_matplotlib_still_writes_the_csv(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    train.run(MICRO, steps=1, out=tmp_path)
+    assert (tmp_path / "train_loss.csv").exists()
+    assert not (tmp_path / "train_loss.png").exists()
+    assert "pip install matplotlib" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(preset="huge"), "preset"),
+    (dict(preset=MICRO, steps=0), "steps"),
+    (dict(preset=MICRO, seed=-1), "seed"),
+    (dict(preset=dataclasses.replace(MICRO, num_queries=5)), "Preset.num_queries"),
+    (dict(preset=dataclasses.replace(MICRO, num_facts=7)), "Preset.num_facts"),
+    (dict(preset=dataclasses.replace(MICRO, hidden_size=0)), "Preset.hidden_size"),
+    (dict(preset=dataclasses.replace(MICRO, block_stride=3)), "NSAConfig.block_stride"),
+])
+def test_bad_arguments_name_the_argument(kwargs, name, tmp_path):
+    with pytest.raises(ValueError, match=name):
+        train.run(out=tmp_path, **kwargs)
+
+
+def test_cli_rejects_bad_steps(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--steps", "0"])
+    assert "steps must be a positive int" in capsys.readouterr().err
