@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import platform
 import subprocess
 from pathlib import Path
@@ -24,14 +23,14 @@ import torch
 import torch.nn.functional as F
 
 import nsa_ops
-from nsa_ops import reference
+from nsa_ops import env, reference
 
 HQ, H, D = 64, 4, 128
 
 
 def _commit() -> str:
-    if os.environ.get("NSA_COMMIT"):
-        return os.environ["NSA_COMMIT"]
+    if env.commit_override():
+        return env.commit_override()
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import env
 from .config import NSAConfig
 from .module import NSAAttention, rope
 
@@ -363,6 +364,8 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int) -> l
 # ---- reporting -------------------------------------------------------------------------------
 
 def _commit() -> str:
+    if env.commit_override():
+        return env.commit_override()
     try:
         return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True,
                                        cwd=Path(__file__).resolve().parent,
