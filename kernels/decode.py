@@ -71,7 +71,9 @@ def _load_rows(ptr, rows, valid, stride, D: tl.constexpr, D_PAD: tl.constexpr):
 
 @triton.jit
 def _attend(q, k, v, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
-    """One online-softmax step of the [G_PAD] query rows over a tile of keys (base-2 units)."""
+    """One online-softmax step of the [G_PAD] query rows over a tile of keys (base-2 units).
+    Also returns the tile's probabilities p and the shift m_ref they are relative to (p * 2^m_ref
+    is the unnormalised weight), which the compressed branch turns into Eq.9 masses."""
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -80,7 +82,7 @@ def _attend(q, k, v, valid, m, l, acc, qk_scale, PREC: tl.constexpr):
     alpha = tl.exp2(m - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l * alpha + tl.sum(p, 1), acc
+    return m_new, l * alpha + tl.sum(p, 1), acc, p, m_ref
 
 
 @triton.jit
@@ -122,15 +124,7 @@ def _cmp_chunk(q, KC, VC, LP, lp_base, part, S, sct, svct, qk_scale,
         used = rows < row_end
         k = _load_rows(KC, rows, used, sct, DK, DK_PAD)
         v = _load_rows(VC, rows, used, svct, DV, DV_PAD)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        s = tl.where(used[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
+        m, l, acc, p, m_ref = _attend(q, k, v, used, m, l, acc, qk_scale, PREC)
 
         p3 = tl.reshape(p, (G_PAD, JT, RPB))
         blocks = jt + jb
@@ -163,7 +157,7 @@ def _window_chunk(q, K, V, wpart, S, skt, svt, qk_scale,
         used = toks < t1
         k = _load_rows(K, toks, used, skt, DK, DK_PAD)
         v = _load_rows(V, toks, used, svt, DV, DV_PAD)
-        m, l, acc = _attend(q, k, v, used, m, l, acc, qk_scale, PREC)
+        m, l, acc, _, _ = _attend(q, k, v, used, m, l, acc, qk_scale, PREC)
         count += tl.sum(used.to(tl.int32), 0)
     return m, l, acc, count
 
@@ -314,7 +308,7 @@ def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX,
         used = tl.where((blk >= 0) & (s < NSEL), (t < BS) & (toks <= pos), False)
         k = _load_rows(k_ptr, toks, used, skt, DK, DK_PAD)
         v = _load_rows(v_ptr, toks, used, svt, DV, DV_PAD)
-        m, l, acc = _attend(q, k, v, used, m, l, acc, qk_scale, PREC)
+        m, l, acc, _, _ = _attend(q, k, v, used, m, l, acc, qk_scale, PREC)
         count += tl.where(s < NSEL, BS, 0)
     _store_partial(PM, PL, PACC, PCNT, bh * NPART + NC + NW + split, m, l, acc, count, G, G_PAD,
                    DV, DV_PAD)
