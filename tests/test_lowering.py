@@ -6,6 +6,8 @@ with a warning. GPU: the Triton template (not an opaque call) is in the generate
 gate fused into its epilogue or one pointwise kernel, and routing to packed SDPA is honoured.
 """
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -43,6 +45,19 @@ def test_lowering_registered_with_inductor():
     assert lowering.registered()
     fn = lowerings[torch.ops.nsa.selection_attention.default]
     assert fn.__name__ == "lower_selection_attention"  # wrapped by register_lowering
+
+
+@pytest.mark.parametrize("first", ["nsa_ops", "inductor"])
+def test_registered_whichever_is_imported_first(first):
+    """import nsa_ops leaves Inductor unloaded (seconds of import time), yet the lowering is in
+    place as soon as Inductor loads, before or after nsa_ops."""
+    imports = {"nsa_ops": "import nsa_ops\nassert 'torch._inductor.lowering' not in sys.modules",
+               "inductor": "import torch._inductor.lowering"}
+    second = "inductor" if first == "nsa_ops" else "nsa_ops"
+    code = "\n".join(["import sys, torch", imports[first], imports[second].split("\n")[0],
+                      "from torch._inductor.lowering import lowerings",
+                      "assert torch.ops.nsa.selection_attention.default in lowerings"])
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_cpu_compiles_to_the_op_fallback_with_one_fused_gate_kernel():
