@@ -27,7 +27,9 @@ combine kernel sums the counts of batch row 0, KV head 0 into ``reads``; the oth
 same work.
 
 Limits (ValueError otherwise): l'/d a power of two, l <= l' + d, head dims <= 256, and at most
-MAX_SEL_BLOCKS selection blocks in the cache capacity.
+nsa_ops.routing.DECODE_MAX_SEL_BLOCKS selection blocks (padded) in the cache capacity, whose top-n
+one program runs in registers; `routing.decode_geometry_refusal` states the geometry limits for
+both this check and the routing table.
 """
 from __future__ import annotations
 
@@ -41,13 +43,10 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.reference import num_cmp
-from nsa_ops.routing import DECODE_MAX_SEL_BLOCKS
+from nsa_ops.routing import DecodeGeometry, decode_geometry_refusal
 
 _LOG2E = math.log2(math.e)
 
-# Largest power-of-two number of selection blocks whose scores one program keeps in registers
-# (top-n runs over all of them at once); the routing table refuses larger caches with this bound.
-MAX_SEL_BLOCKS = DECODE_MAX_SEL_BLOCKS
 # fp32 elements of the [heads, blocks] LP tile loaded at once by the select kernel
 _LP_TILE = 8192
 # Programs per SM the split heuristic aims for in the partials and select launches, and their
@@ -464,19 +463,14 @@ def _check(q, k, v, k_cmp, v_cmp, length, gates, block_len, block_stride, sel_bl
     if block_len % block_stride or sel_block % block_stride:
         _fail(f"block_stride must divide block_len and sel_block, got l={block_len}, "
               f"d={block_stride}, l'={sel_block}")
-    rpb = sel_block // block_stride
-    if rpb & (rpb - 1) or block_len > sel_block + block_stride:
-        _fail(f"the decode kernel needs l'/d a power of two and l <= l' + d (a compressed block "
-              f"spans at most two selection blocks), got l={block_len}, d={block_stride}, "
-              f"l'={sel_block}")
+    geometry = decode_geometry_refusal(
+        DecodeGeometry(block_len, block_stride, sel_block, k.shape[1]))
+    if geometry:
+        _fail(geometry)
     if num_sel < 3:
         _fail(f"num_sel must be >= 3 (block 0 and the two local blocks), got {num_sel}")
     if max(Dk, Dv) > 256:
         _fail(f"head dims must be <= 256, got Dk={Dk}, Dv={Dv}")
-    nblk = _pow2(triton.cdiv(k.shape[1], sel_block), 16)
-    if nblk > MAX_SEL_BLOCKS:
-        _fail(f"k holds {k.shape[1]} tokens = {nblk} selection blocks (padded); the decode kernel "
-              f"keeps at most {MAX_SEL_BLOCKS} per program: use a smaller cache capacity")
     if splits is not None and (len(splits) != 3 or any(
             isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in splits)):
         _fail(f"splits must be three positive ints (compressed, window, selection), "

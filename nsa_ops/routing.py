@@ -155,7 +155,13 @@ def _decode_kernel_serves(x: Inputs) -> Optional[str]:
                 f"Tq={x.seqlen}; a few tokens at once run the reference")
     if x.decode is None:
         return "no cache geometry given (use Inputs.of_cache)"
-    l, d, sel, capacity = x.decode
+    return decode_geometry_refusal(x.decode)
+
+
+def decode_geometry_refusal(geometry: DecodeGeometry) -> Optional[str]:
+    """Why the decode kernel cannot serve a cache of this geometry, or None (the kernel's own
+    argument check raises with the same reason)."""
+    l, d, sel, capacity = geometry
     rpb = sel // d
     if rpb & (rpb - 1) or l > sel + d:
         return (f"the decode kernel needs l'/d a power of two and l <= l' + d (a compressed "
