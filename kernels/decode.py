@@ -1,30 +1,41 @@
 """NSA decode as Triton kernels: the newest query row of every sequence over an NSACache.
 
-One step (Tq = 1, the query at position p = S - 1 of a cache holding S tokens) is three launches.
-All of them read S from a device tensor, never from a host int, so a CUDA graph captured once
-replays correctly at every later step; grids and scratch sizes depend on the cache capacity only.
+One step (Tq = 1, the query at position p = S - 1 of a cache holding S tokens) is one launch when
+the (batch row, KV head) groups fill the GPU, three when they do not (split-K). All launches read
+S from a device tensor, never from a host int, so a CUDA graph captured once replays correctly at
+every later step; grids and scratch sizes depend on the cache capacity only. A program holds the
+G query heads of one KV head as one [G_PAD, D] tile, so each K/V tile is read once per group.
 
-1. `_partials_kernel`, grid (NC + NW, B*H): split-K (flash-decoding) over the compressed rows, in
-   NC chunks of whole selection blocks, and over the window, in NW chunks. A program holds the G
-   query heads of one KV head as one [G_PAD, D] tile, so each K/V tile is read once per group. It
-   writes per-head partials (running max m, sum l, unnormalised output acc, base-2 units). A
-   compressed chunk also writes the un-normalised Eq.9 mass of its selection blocks, per head h,
-       LP[h, j] = log2 sum_i exp2(s[h, i]) * w[i, j]       (w: the Eq.9 overlap weights),
-   split in two planes (the rows starting in block j, and the spill of block j - 1's last rows
-   into j; see `_cmp_chunk`). As log-sums they need no rescaling when the chunks' softmax
-   partials merge: p_slc[h, j] = exp2(LP_own[h, j] - lse2[h]) + exp2(LP_spill[h, j] - lse2[h]).
-2. `_select_kernel`, grid (NS, B*H): merges the compressed partials into lse, sums p_slc over the
-   group (Eq.10), takes the top-n exactly as `reference.topn_blocks` (forced block 0 and the two
-   local blocks, ties to the lower index, -1 for empty slots), and attends its share of the n
-   selected blocks (split-K over the slots). Every split redoes the top-n: that costs a few
-   microseconds of one SM in parallel, a fourth launch would cost them in series.
+The compressed branch also yields the un-normalised Eq.9 mass of every selection block, per head h,
+    LP[h, j] = log2 sum_i exp2(s[h, i]) * w[i, j]       (w: the Eq.9 overlap weights),
+split in two planes (the rows starting in block j, and the spill of block j - 1's last rows into
+j; see `_cmp_chunk`) and kept in a scratch buffer. As log-sums they need no rescaling when softmax
+partials merge: p_slc[h, j] = exp2(LP_own[h, j] - lse2[h]) + exp2(LP_spill[h, j] - lse2[h]).
+From them `_group_scores` sums p_slc over the group (Eq.10) and `_top_n` takes the top-n exactly
+as `reference.topn_blocks` (forced block 0 and the two local blocks, ties to the lower index, -1
+for empty slots).
+
+One launch, `_fused_kernel`, grid (B*H): one program per group streams the compressed rows
+(writing LP), reads its own LP back for the scores and the top-n, attends the selected blocks and
+the window, and writes the gated output. Nothing but LP and the compressed lse goes through
+memory, and those are read back by the program that wrote them (from L2, mostly).
+
+Split-K, for few groups:
+1. `_partials_kernel`, grid (NC + NW, B*H): flash-decoding over the compressed rows, in NC chunks
+   of whole selection blocks (each writing the LP of its blocks), and over the window, in NW
+   chunks. Each writes per-head partials (running max m, sum l, unnormalised output acc, base-2
+   units).
+2. `_select_kernel`, grid (NS, B*H): merges the compressed partials into lse, computes the scores
+   and the top-n, and attends its share of the n selected blocks (split-K over the slots). Every
+   split redoes the top-n: that costs a few microseconds of one SM in parallel, a fourth launch
+   would cost them in series.
 3. `_combine_kernel`, grid (B*HQ): merges each branch's partials and applies the gates.
 
 Reads (NSA-SPEC "Decode"): every program counts the cache rows it loaded and used: compressed rows
 attended (num_cmp(S) in all), n*l' selection slots walked (an empty or causally clamped slot is a
 masked tile load and counts, as in `nsa_ops.decode`), window tokens attended (min(w, S)). The
 combine kernel sums the counts of batch row 0, KV head 0 into ``reads``; the other groups do the
-same work.
+same work. In the one-launch kernel, the program of batch row 0, KV head 0 writes its count.
 
 Limits (ValueError otherwise): l'/d a power of two, l <= l' + d, head dims <= 256, and at most
 nsa_ops.routing.DECODE_MAX_SEL_BLOCKS selection blocks (padded) in the cache capacity, whose top-n
@@ -53,7 +64,15 @@ _LP_TILE = 8192
 # (num_warps, num_stages). Picked on an H100 (HQ=64, H=4, D=128, bf16, S=64k, B in {1, 16, 64}):
 # 2 programs/SM beat 1 and 4 overall; (4, 2) beat (4, 3), (4, 4), (8, 2), (8, 3) by 3-12 %.
 PROGRAMS_PER_SM = 2
-LAUNCH = {"partials": (4, 2), "select": (4, 2)}
+# The one-launch kernel: "fused" when the groups outnumber the SMs, "fused_lone" at one group per
+# SM or fewer, where 8 warps keep more loads in flight per SM. H100, same shapes: at 64k, B=64
+# (4, 3) took 285 us against 295-417 us for the other (4|8, 2|3|4); at B=32 (8, 3) 154 us
+# against 166-218 us.
+LAUNCH = {"partials": (4, 2), "select": (4, 2), "fused": (4, 3), "fused_lone": (8, 3)}
+# The one-launch kernel runs from this many (batch row, KV head) groups per SM up; below, split-K
+# keeps the SMs busy. H100 at 64k: with 128 groups on 132 SMs it took 154 us against split-K's
+# 179 us; with 64 groups 145 us against 107 us.
+FUSED_MIN_GROUPS_PER_SM = 0.75
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,6 +284,34 @@ def _top_n(score, nblk, cur, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
 
 
 @triton.jit
+def _select_slots(q, k_ptr, v_ptr, blocks, split, pos, skt, svt, qk_scale,
+                  SEL: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
+                  SPS: tl.constexpr, G_PAD: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                  DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, BS: tl.constexpr,
+                  BS_PAD: tl.constexpr, PREC: tl.constexpr):
+    """Selection-attention partials over slots [split*SPS, split*SPS + SPS) of `blocks`, each
+    walked in l'/BS tiles; an empty (-1) slot is a fully masked tile and still counts."""
+    slot = tl.arange(0, NSEL_PAD)
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
+    count = tl.zeros([], tl.int32)
+    NSUB: tl.constexpr = SEL // BS
+    t = tl.arange(0, BS_PAD)
+    for it in range(SPS * NSUB):
+        s = split * SPS + it // NSUB
+        blk = tl.sum(tl.where(slot == s, blocks, 0), 0)
+        toks = blk * SEL + (it % NSUB) * BS + t
+        # (the interpreter mis-types a vector & scalar-bool mask, hence the where)
+        used = tl.where((blk >= 0) & (s < NSEL), (t < BS) & (toks <= pos), False)
+        k = _load_rows(k_ptr, toks, used, skt, DK, DK_PAD)
+        v = _load_rows(v_ptr, toks, used, svt, DV, DV_PAD)
+        m, l, acc, _, _ = _attend(q, k, v, used, m, l, acc, qk_scale, PREC)
+        count += tl.where(s < NSEL, BS, 0)
+    return m, l, acc, count
+
+
+@triton.jit
 def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX,
                    sqb, sqh, skb, skt, skh, svb, svt, svh,
                    H, qk_scale,
@@ -287,28 +334,11 @@ def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX,
     slot = tl.arange(0, NSEL_PAD)
     if split == 0:
         tl.store(BIDX + bh * NSEL + slot, blocks, mask=slot < NSEL)
-
     g = tl.arange(0, G_PAD)
     q = _load_rows(Q + b * sqb + kvh * G * sqh, g, g < G, sqh, DK, DK_PAD)
-    k_ptr = K + b * skb + kvh * skh
-    v_ptr = V + b * svb + kvh * svh
-    m = tl.full([G_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-    count = tl.zeros([], tl.int32)
-    NSUB: tl.constexpr = SEL // BS
-    t = tl.arange(0, BS_PAD)
-    # this split's slots, each walked in l'/BS tiles; an empty slot is a fully masked tile
-    for it in range(SPS * NSUB):
-        s = split * SPS + it // NSUB
-        blk = tl.sum(tl.where(slot == s, blocks, 0), 0)
-        toks = blk * SEL + (it % NSUB) * BS + t
-        # (the interpreter mis-types a vector & scalar-bool mask, hence the where)
-        used = tl.where((blk >= 0) & (s < NSEL), (t < BS) & (toks <= pos), False)
-        k = _load_rows(k_ptr, toks, used, skt, DK, DK_PAD)
-        v = _load_rows(v_ptr, toks, used, svt, DV, DV_PAD)
-        m, l, acc, _, _ = _attend(q, k, v, used, m, l, acc, qk_scale, PREC)
-        count += tl.where(s < NSEL, BS, 0)
+    m, l, acc, count = _select_slots(
+        q, K + b * skb + kvh * skh, V + b * svb + kvh * svh, blocks, split, pos, skt, svt,
+        qk_scale, SEL, NSEL, NSEL_PAD, SPS, G_PAD, DK, DV, DK_PAD, DV_PAD, BS, BS_PAD, PREC)
     _store_partial(PM, PL, PACC, PCNT, bh * NPART + NC + NW + split, m, l, acc, count, G, G_PAD,
                    DV, DV_PAD)
 
@@ -367,12 +397,69 @@ def _combine_kernel(PM, PL, PACC, PCNT, GC, GS, GW, O, READS,
         tl.store(READS, reads.to(tl.int64))
 
 
+@triton.jit
+def _fused_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, GC, GS, GW, O, BIDX, READS,
+                  sqb, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sch, svcb, svct, svch,
+                  sgcb, sgch, sgsb, sgsh, sgwb, sgwh, sob, soh, H, qk_scale,
+                  L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr,
+                  WINDOW: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
+                  G: tl.constexpr, G_PAD: tl.constexpr, GH: tl.constexpr,
+                  NBLK_CAP: tl.constexpr, NBLK_PAD: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, JT: tl.constexpr,
+                  RPB: tl.constexpr, WN: tl.constexpr, BS: tl.constexpr, BS_PAD: tl.constexpr,
+                  PREC: tl.constexpr):
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    kvh = bh % H
+    S = tl.load(LEN).to(tl.int32)
+    pos = S - 1
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, DV_PAD)
+    q = _load_rows(Q + b * sqb + kvh * G * sqh, g, g < G, sqh, DK, DK_PAD)
+    hq = kvh * G + g
+    g_cmp = tl.load(GC + b * sgcb + hq * sgch, mask=g < G, other=0.0).to(tl.float32)
+    g_slc = tl.load(GS + b * sgsb + hq * sgsh, mask=g < G, other=0.0).to(tl.float32)
+    g_win = tl.load(GW + b * sgwb + hq * sgwh, mask=g < G, other=0.0).to(tl.float32)
+    k_ptr = K + b * skb + kvh * skh
+    v_ptr = V + b * svb + kvh * svh
+
+    m, l, acc, n_cmp = _cmp_chunk(
+        q, KC + b * scb + kvh * sch, VC + b * svcb + kvh * svch, LP,
+        bh.to(tl.int64) * 2 * G * NBLK_CAP, 0, S, sct, svct, qk_scale, L, STRIDE, SEL, 1, G,
+        G_PAD, NBLK_CAP, DK, DV, DK_PAD, DV_PAD, JT, RPB, PREC)
+    # a query that sees nothing in a branch gets 0 from it (the reference's rule)
+    o = acc * (g_cmp / tl.where(l > 0, l, 1.0))[:, None]
+    # the compressed softmax state, as the one partial _group_scores merges
+    tl.store(PM + bh * G + g, m, mask=g < G)
+    tl.store(PL + bh * G + g, l, mask=g < G)
+    # the LP / PM / PL rows just stored by this program's threads are read back by others of it
+    tl.debug_barrier()
+    score = _group_scores(LP, PM, PL, bh, (S + SEL - 1) // SEL, 1, 1, G, GH, 1, NBLK_CAP,
+                          NBLK_PAD)
+    blocks = _top_n(score, (S + SEL - 1) // SEL, pos // SEL, NSEL, NSEL_PAD, NBLK_PAD)
+    slot = tl.arange(0, NSEL_PAD)
+    tl.store(BIDX + bh * NSEL + slot, blocks, mask=slot < NSEL)
+
+    m, l, acc, n_slc = _select_slots(q, k_ptr, v_ptr, blocks, 0, pos, skt, svt, qk_scale, SEL,
+                                     NSEL, NSEL_PAD, NSEL, G_PAD, DK, DV, DK_PAD, DV_PAD, BS,
+                                     BS_PAD, PREC)
+    o += acc * (g_slc / tl.where(l > 0, l, 1.0))[:, None]
+    m, l, acc, n_win = _window_chunk(q, k_ptr, v_ptr, 0, S, skt, svt, qk_scale, WINDOW, 1,
+                                     G_PAD, DK, DV, DK_PAD, DV_PAD, WN, PREC)
+    o += acc * (g_win / tl.where(l > 0, l, 1.0))[:, None]
+    tl.store(O + b * sob + hq[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
+             mask=(g[:, None] < G) & (d[None, :] < DV))
+    if bh == 0:
+        tl.store(READS, (n_cmp + n_slc + n_win).to(tl.int64))
+
+
 # --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
 
 class _Plan(NamedTuple):
     """Launch geometry: fixed by shapes and the cache capacity, never by the current length."""
+    fused: bool    # one launch, one program per (batch row, KV head); else three, split-K
     nc: int        # compressed chunks per (batch row, KV head)
     nw: int        # window chunks
     ns: int        # selection splits
@@ -397,10 +484,14 @@ def _sm_count(device: torch.device) -> int:
 
 def _plan(B: int, H: int, capacity: int, block_len: int, block_stride: int, sel_block: int,
           num_sel: int, window: int, device: torch.device,
-          splits: Optional[tuple[int, int, int]]) -> _Plan:
+          splits: Optional[tuple[int, int, int]], fused: Optional[bool]) -> _Plan:
     rpb = sel_block // block_stride
     jt = max(1, 64 // rpb)  # 64 compressed rows per tile (rpb is a power of two)
     nblk_cap = triton.cdiv(capacity, sel_block)
+    if fused is None:
+        fused = splits is None and B * H >= FUSED_MIN_GROUPS_PER_SM * _sm_count(device)
+    if fused:
+        return _Plan(True, 1, 1, 1, num_sel, jt, nblk_cap)
     if splits is None:
         # about PROGRAMS_PER_SM programs per SM in each launch (B=1 at 64k: 64 compressed
         # chunks of one tile per KV head), never more chunks than there are tiles to share
@@ -410,7 +501,7 @@ def _plan(B: int, H: int, capacity: int, block_len: int, block_stride: int, sel_
                   min(per_group, num_sel))
     nc, nw, ns = splits
     sps = triton.cdiv(num_sel, ns)
-    return _Plan(nc, nw, triton.cdiv(num_sel, sps), sps, jt, nblk_cap)
+    return _Plan(False, nc, nw, triton.cdiv(num_sel, sps), sps, jt, nblk_cap)
 
 
 def _fail(msg: str):
@@ -418,7 +509,7 @@ def _fail(msg: str):
 
 
 def _check(q, k, v, k_cmp, v_cmp, length, gates, block_len, block_stride, sel_block, num_sel,
-           window, splits) -> None:
+           window, splits, fused) -> None:
     names = ("q", "k", "v", "k_cmp", "v_cmp")
     layouts = ("[B, 1, HQ, Dk]", "[B, capacity, H, Dk]", "[B, capacity, H, Dv]",
                "[B, rows, H, Dk]", "[B, rows, H, Dv]")
@@ -475,20 +566,24 @@ def _check(q, k, v, k_cmp, v_cmp, length, gates, block_len, block_stride, sel_bl
             isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in splits)):
         _fail(f"splits must be three positive ints (compressed, window, selection), "
               f"got {splits!r}")
+    if fused and splits is not None:
+        _fail(f"splits={splits!r} needs the split-K launches: pass fused=None or False")
 
 
 def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, length: Tensor,
                g_cmp: Tensor, g_slc: Tensor, g_win: Tensor, *, block_len: int,
                block_stride: int, sel_block: int, num_sel: int, window: int, scale: float,
-               splits: Optional[tuple[int, int, int]] = None
+               splits: Optional[tuple[int, int, int]] = None, fused: Optional[bool] = None
                ) -> tuple[Tensor, Tensor, Tensor]:
     """NSA output of the newest token of each sequence over cache storage.
 
     q [B,1,HQ,Dk] rotated; k [B,capacity,H,Dk], v [B,capacity,H,Dv]: every cached token, valid
     up to ``length`` (int64 [1], on device; the query sits at position length - 1, its own K/V
     already stored); k_cmp / v_cmp [B,rows,H,D] with rows >= num_cmp(capacity), valid up to
-    num_cmp(length); gates [B,1,HQ] activated. ``splits`` = (compressed chunks, window chunks,
-    selection splits) per (batch row, KV head) overrides the occupancy heuristic.
+    num_cmp(length); gates [B,1,HQ] activated. ``fused`` picks the one-launch kernel (True) or
+    the split-K launches (False); None lets the occupancy heuristic choose. ``splits`` =
+    (compressed chunks, window chunks, selection splits) per (batch row, KV head) sets the
+    split-K launches' work division.
 
     Returns o [B,1,HQ,Dv] in q's dtype, reads int64 [1] (cache rows loaded, see the module
     docstring) and block_idx int32 [B,1,H,num_sel] (the selection, ascending, -1 last).
@@ -496,53 +591,60 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
     """
     gates = (g_cmp, g_slc, g_win)
     _check(q, k, v, k_cmp, v_cmp, length, gates, block_len, block_stride, sel_block, num_sel,
-           window, splits)
+           window, splits, fused)
     B, _, HQ, Dk = q.shape
     H, Dv = k.shape[2], v.shape[3]
     G = HQ // H
     dev = q.device
     plan = _plan(B, H, k.shape[1], block_len, block_stride, sel_block, num_sel, window, dev,
-                 splits)
-    npart = plan.nc + plan.nw + plan.ns
+                 splits, fused)
+    npart = 1 if plan.fused else plan.nc + plan.nw + plan.ns
     f32 = torch.float32
     lp = torch.empty(B * H, 2, G, plan.nblk_cap, dtype=f32, device=dev)  # own / spill planes
     pm = torch.empty(B * H, npart, G, dtype=f32, device=dev)
     pl = torch.empty(B * H, npart, G, dtype=f32, device=dev)
-    pacc = torch.empty(B * H, npart, G, Dv, dtype=f32, device=dev)
-    pcnt = torch.empty(B * H, npart, dtype=torch.int32, device=dev)
     o = torch.empty(B, 1, HQ, Dv, dtype=q.dtype, device=dev)
     reads = torch.empty(1, dtype=torch.int64, device=dev)
     block_idx = torch.empty(B, 1, H, num_sel, dtype=torch.int32, device=dev)
 
     prec = "ieee" if q.dtype == torch.float32 else "tf32"  # 16-bit dots ignore it
     shared = dict(G=G, G_PAD=_pow2(G, 16), DK=Dk, DV=Dv, DK_PAD=_pow2(Dk, 16),
-                  DV_PAD=_pow2(Dv, 16), PREC=prec, NC=plan.nc, NW=plan.nw, NPART=npart,
-                  NBLK_CAP=plan.nblk_cap)
-    qk_scale = scale * _LOG2E
-    _partials_kernel[(plan.nc + plan.nw, B * H)](
-        q, k, v, k_cmp, v_cmp, length, lp, pm, pl, pacc, pcnt,
-        q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], *k_cmp.stride()[:3],
-        *v_cmp.stride()[:3], H, qk_scale,
-        L=block_len, STRIDE=block_stride, SEL=sel_block, WINDOW=window,
-        JT=plan.jt, RPB=sel_block // block_stride, WN=_WINDOW_TILE,
-        num_warps=LAUNCH["partials"][0], num_stages=LAUNCH["partials"][1], **shared)
-
+                  DV_PAD=_pow2(Dv, 16), PREC=prec, NBLK_CAP=plan.nblk_cap)
+    cmp_geometry = dict(L=block_len, STRIDE=block_stride, SEL=sel_block, WINDOW=window,
+                        JT=plan.jt, RPB=sel_block // block_stride, WN=_WINDOW_TILE)
     nblk_pad = _pow2(plan.nblk_cap, 16)
     bs = min(64, sel_block & -sel_block)  # largest power of two dividing l', at most 64
-    _select_kernel[(plan.ns, B * H)](
-        q, k, v, length, lp, pm, pl, pacc, pcnt, block_idx,
-        q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3], H, qk_scale,
-        SEL=sel_block, NSEL=num_sel, NSEL_PAD=_pow2(num_sel), SPS=plan.sps,
-        GH=min(_pow2(G), max(1, _LP_TILE // nblk_pad)), NC_PAD=_pow2(plan.nc),
-        NBLK_PAD=nblk_pad, BS=bs, BS_PAD=max(16, bs),
-        num_warps=max(LAUNCH["select"][0], 8 if nblk_pad > 2048 else 4),
-        num_stages=LAUNCH["select"][1], **shared)
+    selection = dict(NSEL=num_sel, NSEL_PAD=_pow2(num_sel), NBLK_PAD=nblk_pad, BS=bs,
+                     BS_PAD=max(16, bs), GH=min(_pow2(G), max(1, _LP_TILE // nblk_pad)))
+    qk_scale = scale * _LOG2E
+    strides = (q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3])
+    cmp_strides = (*k_cmp.stride()[:3], *v_cmp.stride()[:3])
+    gate_strides = (g_cmp.stride(0), g_cmp.stride(2), g_slc.stride(0), g_slc.stride(2),
+                    g_win.stride(0), g_win.stride(2), o.stride(0), o.stride(2))
+    if plan.fused:
+        num_warps, num_stages = LAUNCH["fused" if B * H > _sm_count(dev) else "fused_lone"]
+        _fused_kernel[(B * H,)](
+            q, k, v, k_cmp, v_cmp, length, lp, pm, pl, g_cmp, g_slc, g_win, o, block_idx, reads,
+            *strides, *cmp_strides, *gate_strides, H, qk_scale,
+            num_warps=max(num_warps, 8 if nblk_pad > 2048 else 4), num_stages=num_stages,
+            **shared, **cmp_geometry, **selection)
+        return o, reads, block_idx
 
+    pacc = torch.empty(B * H, npart, G, Dv, dtype=f32, device=dev)
+    pcnt = torch.empty(B * H, npart, dtype=torch.int32, device=dev)
+    shared.update(NC=plan.nc, NW=plan.nw, NPART=npart)
+    _partials_kernel[(plan.nc + plan.nw, B * H)](
+        q, k, v, k_cmp, v_cmp, length, lp, pm, pl, pacc, pcnt, *strides, *cmp_strides, H,
+        qk_scale, num_warps=LAUNCH["partials"][0], num_stages=LAUNCH["partials"][1],
+        **shared, **cmp_geometry)
+    _select_kernel[(plan.ns, B * H)](
+        q, k, v, length, lp, pm, pl, pacc, pcnt, block_idx, *strides, H, qk_scale,
+        SEL=sel_block, SPS=plan.sps, NC_PAD=_pow2(plan.nc),
+        num_warps=max(LAUNCH["select"][0], 8 if nblk_pad > 2048 else 4),
+        num_stages=LAUNCH["select"][1], **shared, **selection)
     # PT: up to 64 partials of a branch merge in one step, so their loads are in flight together
     _combine_kernel[(B * HQ,)](
-        pm, pl, pacc, pcnt, g_cmp, g_slc, g_win, o, reads,
-        g_cmp.stride(0), g_cmp.stride(2), g_slc.stride(0), g_slc.stride(2),
-        g_win.stride(0), g_win.stride(2), o.stride(0), o.stride(2), H, HQ,
+        pm, pl, pacc, pcnt, g_cmp, g_slc, g_win, o, reads, *gate_strides, H, HQ,
         NC=plan.nc, NW=plan.nw, NPART=npart, NPART_PAD=_pow2(npart), G=G, DV=Dv,
         DV_PAD=_pow2(Dv, 16), PT=min(64, _pow2(max(plan.nc, plan.nw, plan.ns))), num_warps=4)
     return o, reads, block_idx

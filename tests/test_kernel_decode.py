@@ -11,8 +11,8 @@ is wrong).
 
 GPU cases (-m gpu): token-by-token decode of an NSAAttention with random weights equals its
 prefill (relative Frobenius error < 1e-2 fp16, < 2e-2 bf16, T=2000 crossing every boundary), the
-CUDA-graph decoder equals eager decode step by step, and at 64k the kernel equals the float32
-reference at a few positions.
+CUDA-graph decoder equals eager decode step by step, and at 64k both the split-K and the one-launch
+kernels equal the float32 reference at a few positions.
 """
 import contextlib
 
@@ -80,11 +80,12 @@ def query(cfg, B, dtype, device="cpu", seed=1):
     return q.to(device), [x.to(device) for x in gates]
 
 
-def run_kernel(q, cache, gates, splits=None):
+def run_kernel(q, cache, gates, splits=None, fused=None):
     c = cache.config
     return nsa_decode(q, cache.k, cache.v, cache.k_cmp, cache.v_cmp, cache.device_length, *gates,
                       block_len=c.block_len, block_stride=c.block_stride, sel_block=c.sel_block,
-                      num_sel=c.num_sel, window=c.window, scale=c.scale, splits=splits)
+                      num_sel=c.num_sel, window=c.window, scale=c.scale, splits=splits,
+                      fused=fused)
 
 
 def reference_step(q, cache, gates):
@@ -104,9 +105,12 @@ def assert_close(got, want, atol):
 # CPU: kernel vs reference (interpreter)
 # --------------------------------------------------------------------------------------------
 
-# (B, G, H, Dk, Dv, splits, positions S): splits None is the occupancy heuristic (1, 1, 1 on CPU)
+# (B, G, H, Dk, Dv, splits, positions S): splits None is the occupancy heuristic, which on CPU
+# (one "SM") picks the one-launch kernel; given splits run the split-K launches
 CASES = [
     (2, 2, 2, 16, 24, None, (1, 16, 17, 300)),
+    (1, 4, 1, 32, 16, None, (31, 32, 129, 200)),
+    (2, 1, 2, 16, 16, (1, 1, 1), (1, 16, 17, 300)),
     (1, 1, 2, 16, 16, (3, 2, 3), (15, 24, 25, 33, 64, 65)),
     (1, 4, 1, 32, 16, (7, 3, 4), (31, 32, 129, 200)),
     (2, 2, 1, 16, 32, (2, 1, 2), (48, 49, 97)),
@@ -137,7 +141,8 @@ def test_kernel_matches_reference(B, G, H, Dk, Dv, splits, positions, dtype):
         assert_close(o, want_o, ATOL[dtype])
 
 
-def test_kernel_selection_covers_many_blocks():
+@pytest.mark.parametrize("splits", [(5, 1, 2), None], ids=["split-K", "one-launch"])
+def test_kernel_selection_covers_many_blocks(splits):
     """n=6 among 40 blocks at l=32, d=16, l'=64 (two rows straddle each block edge)."""
     cfg = config(2, 1, 16, 16, block_len=32, block_stride=16, sel_block=64, num_sel=6,
                  window=40)
@@ -145,7 +150,7 @@ def test_kernel_selection_covers_many_blocks():
     cache = filled_cache(cfg, 1, S, capacity=S, dtype=torch.float32)
     q, gates = query(cfg, 1, torch.float32)
     with poisoned_empty():
-        o, reads, block_idx = run_kernel(q, cache, gates, splits=(5, 1, 2))
+        o, reads, block_idx = run_kernel(q, cache, gates, splits=splits)
     want_o, want_reads, want_idx = reference_step(q, twin(cache, torch.float64), gates)
     assert torch.equal(block_idx, want_idx)
     cur = (S - 1) // cfg.sel_block
@@ -174,6 +179,8 @@ def test_kernel_input_errors():
                    scale=0.25)
     with pytest.raises(ValueError, match="splits must be three positive ints"):
         run_kernel(q, cache, gates, splits=(1, 0, 1))
+    with pytest.raises(ValueError, match="needs the split-K launches"):
+        run_kernel(q, cache, gates, splits=(1, 1, 1), fused=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +318,8 @@ def test_gpu_cuda_graph_decoder_equals_eager(prompt):
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_64k_matches_reference():
+@pytest.mark.parametrize("fused", [False, True], ids=["split-K", "one-launch"])
+def test_gpu_kernel_64k_matches_reference(fused):
     cfg = NSAConfig(hidden_size=64, num_heads=64, num_kv_heads=4, head_dim_qk=128,
                     head_dim_v=128)
     S = 65536
@@ -322,7 +330,7 @@ def test_gpu_kernel_64k_matches_reference():
         for c in (cache, ref_cache):
             c.length = pos
             c.device_length.fill_(pos)
-        o, reads, block_idx = run_kernel(q, cache, gates)
+        o, reads, block_idx = run_kernel(q, cache, gates, fused=fused)
         want_o, _, want_idx = reference_step(q, ref_cache, gates)
         assert reads.tolist() == [cfg.reads(pos)]
         assert (block_idx == want_idx).float().mean().item() > 0.95
