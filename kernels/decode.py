@@ -385,11 +385,11 @@ def _merge_group(PM, PL, PACC, bh, lo: tl.constexpr, hi: tl.constexpr, NPART: tl
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
     i = tl.arange(0, PT)
     for p0 in range(lo, hi, PT):
-        tile_ok = ((p0 + i)[:, None] < hi) & (g[None, :] < G)
-        tile = (bh * NPART + p0 + i)[:, None] * G + g[None, :]
-        w = tl.exp2(tl.load(PM + tile, mask=tile_ok, other=float("-inf")) - m_ref[None, :])
-        a = tl.load(PACC + tile[:, :, None] * DV + d[None, None, :],
-                    mask=tile_ok[:, :, None] & (d[None, None, :] < DV), other=0.0)
+        ok = ((p0 + i)[:, None] < hi) & (g[None, :] < G)
+        offs = (bh * NPART + p0 + i)[:, None] * G + g[None, :]
+        w = tl.exp2(tl.load(PM + offs, mask=ok, other=float("-inf")) - m_ref[None, :])
+        a = tl.load(PACC + offs[:, :, None] * DV + d[None, None, :],
+                    mask=ok[:, :, None] & (d[None, None, :] < DV), other=0.0)
         acc += tl.sum(a * w[:, :, None], 0)
     return _normalised(acc, total)
 
