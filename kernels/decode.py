@@ -319,8 +319,7 @@ def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX, ARRIVED, GC, GS, 
                    sgcb, sgch, sgsb, sgsh, sgwb, sgwh, sob, soh, H, qk_scale,
                    SEL: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
                    NC: tl.constexpr, NW: tl.constexpr, NS: tl.constexpr, NPART: tl.constexpr,
-                   NPART_PAD: tl.constexpr, NP_PAD: tl.constexpr, PT: tl.constexpr,
-                   SPS: tl.constexpr, G: tl.constexpr,
+                   NPART_PAD: tl.constexpr, SPS: tl.constexpr, G: tl.constexpr,
                    G_PAD: tl.constexpr, GH: tl.constexpr, NC_PAD: tl.constexpr,
                    NBLK_CAP: tl.constexpr, NBLK_PAD: tl.constexpr, DK: tl.constexpr,
                    DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
@@ -352,12 +351,9 @@ def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX, ARRIVED, GC, GS, 
     if tl.atomic_add(ARRIVED + bh, 1) == NS - 1:
         tl.debug_barrier()
         _store_output(O, GC, GS, GW, b, kvh,
-                      _merge_group(PM, PL, PACC, bh, 0, NC, NPART, G, G_PAD, DV, DV_PAD,
-                                   NP_PAD, PT),
-                      _merge_group(PM, PL, PACC, bh, NC + NW, NPART, NPART, G, G_PAD, DV,
-                                   DV_PAD, NP_PAD, PT),
-                      _merge_group(PM, PL, PACC, bh, NC, NC + NW, NPART, G, G_PAD, DV, DV_PAD,
-                                   NP_PAD, PT),
+                      _merge_group(PM, PL, PACC, bh, 0, NC, NPART, G, G_PAD, DV, DV_PAD),
+                      _merge_group(PM, PL, PACC, bh, NC + NW, NPART, NPART, G, G_PAD, DV, DV_PAD),
+                      _merge_group(PM, PL, PACC, bh, NC, NC + NW, NPART, G, G_PAD, DV, DV_PAD),
                       sgcb, sgch, sgsb, sgsh, sgwb, sgwh, sob, soh, G, G_PAD, DV, DV_PAD)
         if bh == 0:
             i = tl.arange(0, NPART_PAD)
@@ -366,31 +362,26 @@ def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX, ARRIVED, GC, GS, 
 
 @triton.jit
 def _merge_group(PM, PL, PACC, bh, lo: tl.constexpr, hi: tl.constexpr, NPART: tl.constexpr,
-                 G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
-                 NP_PAD: tl.constexpr, PT: tl.constexpr):
-    """Normalised outputs [G_PAD, DV_PAD] of a group's heads from partials lo..hi-1 of a branch.
-
-    The max and sum come first, from one [NP_PAD, G] load, so the accumulator loop carries no
-    rescaling: its loads (PT partials at a time) do not wait on each other. At B=1 a branch has
-    up to 64 partials, which a serial online merge walks one L2 round trip at a time."""
+                 G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr):
+    """Normalised outputs [G_PAD, DV_PAD] of a group's heads from partials lo..hi-1 of a branch."""
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, DV_PAD)
-    p = lo + tl.arange(0, NP_PAD)
-    ok = (p[:, None] < hi) & (g[None, :] < G)
-    offs = (bh * NPART + p[:, None]) * G + g[None, :]
-    m = tl.load(PM + offs, mask=ok, other=float("-inf"))
-    mx = tl.max(m, 0)
-    m_ref = tl.where(mx == float("-inf"), 0.0, mx)
-    total = tl.sum(tl.load(PL + offs, mask=ok, other=0.0) * tl.exp2(m - m_ref[None, :]), 0)
+    mx = tl.full([G_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-    i = tl.arange(0, PT)
-    for p0 in range(lo, hi, PT):
-        ok = ((p0 + i)[:, None] < hi) & (g[None, :] < G)
-        offs = (bh * NPART + p0 + i)[:, None] * G + g[None, :]
-        w = tl.exp2(tl.load(PM + offs, mask=ok, other=float("-inf")) - m_ref[None, :])
-        a = tl.load(PACC + offs[:, :, None] * DV + d[None, None, :],
-                    mask=ok[:, :, None] & (d[None, None, :] < DV), other=0.0)
-        acc += tl.sum(a * w[:, :, None], 0)
+    for part in range(lo, hi):
+        offs = (bh * NPART + part) * G + g
+        m = tl.load(PM + offs, mask=g < G, other=float("-inf"))
+        l = tl.load(PL + offs, mask=g < G, other=0.0)
+        a = tl.load(PACC + offs[:, None] * DV + d[None, :],
+                    mask=(g[:, None] < G) & (d[None, :] < DV), other=0.0)
+        mx_new = tl.maximum(mx, m)
+        m_ref = tl.where(mx_new == float("-inf"), 0.0, mx_new)
+        old = tl.exp2(mx - m_ref)
+        w = tl.exp2(m - m_ref)
+        total = total * old + l * w
+        acc = acc * old[:, None] + a * w[:, None]
+        mx = mx_new
     return _normalised(acc, total)
 
 
@@ -650,12 +641,10 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
         q, k, v, k_cmp, v_cmp, length, lp, pm, pl, pacc, pcnt, arrived, *strides, *cmp_strides,
         H, qk_scale, num_warps=LAUNCH["partials"][0], num_stages=LAUNCH["partials"][1],
         **shared, **cmp_geometry)
-    np_pad = _pow2(max(plan.nc, plan.nw, plan.ns))  # partials of the largest branch, padded
     _select_kernel[(plan.ns, B * H)](
         q, k, v, length, lp, pm, pl, pacc, pcnt, block_idx, arrived, g_cmp, g_slc, g_win, o,
         reads, *strides, *gate_strides, H, qk_scale,
         SEL=sel_block, NS=plan.ns, NPART_PAD=_pow2(npart), SPS=plan.sps, NC_PAD=_pow2(plan.nc),
-        NP_PAD=np_pad, PT=min(4, np_pad),
         num_warps=max(LAUNCH["select"][0], 8 if nblk_pad > 2048 else 4),
         num_stages=LAUNCH["select"][1], **shared, **selection)
     return o, reads, block_idx
