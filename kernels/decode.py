@@ -1,7 +1,7 @@
 """NSA decode as Triton kernels: the newest query row of every sequence over an NSACache.
 
 One step (Tq = 1, the query at position p = S - 1 of a cache holding S tokens) is one launch when
-the (batch row, KV head) groups fill the GPU, two when they do not (split-K). All launches read
+the (batch row, KV head) groups fill the GPU, three when they do not (split-K). All launches read
 S from a device tensor, never from a host int, so a CUDA graph captured once replays correctly at
 every later step; grids and scratch sizes depend on the cache capacity only. A program holds the
 G query heads of one KV head as one [G_PAD, D] tile, so each K/V tile is read once per group.
@@ -27,15 +27,15 @@ Split-K, for few groups:
    units).
 2. `_select_kernel`, grid (NS, B*H): merges the compressed partials into lse, computes the scores
    and the top-n, and attends its share of the n selected blocks (split-K over the slots). Every
-   split redoes the top-n: that costs a few microseconds of one SM in parallel, a third launch
-   would cost them in series. The group's last split to finish (an atomic arrival count) merges
-   every partial of the group and writes the gated output.
+   split redoes the top-n: that costs a few microseconds of one SM in parallel, a fourth launch
+   would cost them in series.
+3. `_combine_kernel`, grid (B*HQ): merges each branch's partials and applies the gates.
 
 Reads (NSA-SPEC "Decode"): every program counts the cache rows it loaded and used: compressed rows
 attended (num_cmp(S) in all), n*l' selection slots walked (an empty or causally clamped slot is a
 masked tile load and counts, as in `nsa_ops.decode`), window tokens attended (min(w, S)). The
-counts of batch row 0, KV head 0 go to ``reads`` (summed by its last select split, or written by
-its one-launch program); the other groups do the same work.
+combine kernel sums the counts of batch row 0, KV head 0 into ``reads``; the other groups do the
+same work. In the one-launch kernel, the program of batch row 0, KV head 0 writes its count.
 
 Limits (ValueError otherwise): l'/d a power of two, l <= l' + d, head dims <= 256, and at most
 nsa_ops.routing.DECODE_MAX_SEL_BLOCKS selection blocks (padded) in the cache capacity, whose top-n
@@ -199,7 +199,7 @@ def _store_partial(PM, PL, PACC, PCNT, slot, m, l, acc, count,
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _partials_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, PACC, PCNT, ARRIVED,
+def _partials_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, PACC, PCNT,
                      sqb, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sch, svcb, svct, svch,
                      H, qk_scale,
                      L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr,
@@ -226,8 +226,6 @@ def _partials_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, PACC, PCNT, ARRIVED,
             qk_scale, WINDOW, NW, G_PAD, DK, DV, DK_PAD, DV_PAD, WN, PREC)
     _store_partial(PM, PL, PACC, PCNT, bh * NPART + part, m, l, acc, count, G, G_PAD, DV,
                    DV_PAD)
-    if part == 0:
-        tl.store(ARRIVED + bh, 0)  # the select splits count themselves in
 
 
 @triton.jit
@@ -314,16 +312,16 @@ def _select_slots(q, k_ptr, v_ptr, blocks, split, pos, skt, svt, qk_scale,
 
 
 @triton.jit
-def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX, ARRIVED, GC, GS, GW, O, READS,
+def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX,
                    sqb, sqh, skb, skt, skh, svb, svt, svh,
-                   sgcb, sgch, sgsb, sgsh, sgwb, sgwh, sob, soh, H, qk_scale,
+                   H, qk_scale,
                    SEL: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
-                   NC: tl.constexpr, NW: tl.constexpr, NS: tl.constexpr, NPART: tl.constexpr,
-                   NPART_PAD: tl.constexpr, SPS: tl.constexpr, G: tl.constexpr,
-                   G_PAD: tl.constexpr, GH: tl.constexpr, NC_PAD: tl.constexpr,
-                   NBLK_CAP: tl.constexpr, NBLK_PAD: tl.constexpr, DK: tl.constexpr,
-                   DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-                   BS: tl.constexpr, BS_PAD: tl.constexpr, PREC: tl.constexpr):
+                   NC: tl.constexpr, NW: tl.constexpr, NPART: tl.constexpr,
+                   SPS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, GH: tl.constexpr,
+                   NC_PAD: tl.constexpr, NBLK_CAP: tl.constexpr, NBLK_PAD: tl.constexpr,
+                   DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr,
+                   DV_PAD: tl.constexpr, BS: tl.constexpr, BS_PAD: tl.constexpr,
+                   PREC: tl.constexpr):
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -344,67 +342,59 @@ def _select_kernel(Q, K, V, LEN, LP, PM, PL, PACC, PCNT, BIDX, ARRIVED, GC, GS, 
     _store_partial(PM, PL, PACC, PCNT, bh * NPART + NC + NW + split, m, l, acc, count, G, G_PAD,
                    DV, DV_PAD)
 
-    # The group's last split to finish merges the group's partials and writes its output: no
-    # combine launch. The barrier orders all of this program's partial stores before the
-    # acq_rel increment, which publishes them to the split that comes last.
-    tl.debug_barrier()
-    if tl.atomic_add(ARRIVED + bh, 1) == NS - 1:
-        tl.debug_barrier()
-        _store_output(O, GC, GS, GW, b, kvh,
-                      _merge_group(PM, PL, PACC, bh, 0, NC, NPART, G, G_PAD, DV, DV_PAD),
-                      _merge_group(PM, PL, PACC, bh, NC + NW, NPART, NPART, G, G_PAD, DV, DV_PAD),
-                      _merge_group(PM, PL, PACC, bh, NC, NC + NW, NPART, G, G_PAD, DV, DV_PAD),
-                      sgcb, sgch, sgsb, sgsh, sgwb, sgwh, sob, soh, G, G_PAD, DV, DV_PAD)
-        if bh == 0:
-            i = tl.arange(0, NPART_PAD)
-            tl.store(READS, tl.sum(tl.load(PCNT + i, mask=i < NPART, other=0), 0).to(tl.int64))
-
 
 @triton.jit
-def _merge_group(PM, PL, PACC, bh, lo: tl.constexpr, hi: tl.constexpr, NPART: tl.constexpr,
-                 G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr):
-    """Normalised outputs [G_PAD, DV_PAD] of a group's heads from partials lo..hi-1 of a branch."""
-    g = tl.arange(0, G_PAD)
+def _merge(PM, PL, PACC, bh, g, lo: tl.constexpr, hi: tl.constexpr, NPART: tl.constexpr,
+           G: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, PT: tl.constexpr):
+    """Normalised output [DV_PAD] of one head from the partials lo..hi-1 of its branch."""
+    i = tl.arange(0, PT)
     d = tl.arange(0, DV_PAD)
-    mx = tl.full([G_PAD], float("-inf"), tl.float32)
-    total = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, DV_PAD], tl.float32)
-    for part in range(lo, hi):
-        offs = (bh * NPART + part) * G + g
-        m = tl.load(PM + offs, mask=g < G, other=float("-inf"))
-        l = tl.load(PL + offs, mask=g < G, other=0.0)
-        a = tl.load(PACC + offs[:, None] * DV + d[None, :],
-                    mask=(g[:, None] < G) & (d[None, :] < DV), other=0.0)
-        mx_new = tl.maximum(mx, m)
+    mx = tl.full([], float("-inf"), tl.float32)
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([DV_PAD], tl.float32)
+    for p0 in range(lo, hi, PT):
+        ok = p0 + i < hi
+        offs = (bh * NPART + p0 + i) * G + g
+        m = tl.load(PM + offs, mask=ok, other=float("-inf"))
+        l = tl.load(PL + offs, mask=ok, other=0.0)
+        a = tl.load(PACC + offs[:, None] * DV + d[None, :], mask=ok[:, None] & (d[None, :] < DV),
+                    other=0.0)
+        mx_new = tl.maximum(mx, tl.max(m, 0))
         m_ref = tl.where(mx_new == float("-inf"), 0.0, mx_new)
         old = tl.exp2(mx - m_ref)
         w = tl.exp2(m - m_ref)
-        total = total * old + l * w
-        acc = acc * old[:, None] + a * w[:, None]
+        total = total * old + tl.sum(l * w, 0)
+        acc = acc * old + tl.sum(a * w[:, None], 0)
         mx = mx_new
-    return _normalised(acc, total)
-
-
-@triton.jit
-def _normalised(acc, total):
     # a query that sees nothing in a branch gets 0 from it (the reference's rule)
-    return acc / tl.where(total > 0, total, 1.0)[:, None]
+    return acc / tl.where(total > 0, total, 1.0)
 
 
 @triton.jit
-def _store_output(O, GC, GS, GW, b, kvh, o_cmp, o_slc, o_win,
-                  sgcb, sgch, sgsb, sgsh, sgwb, sgwh, sob, soh,
-                  G: tl.constexpr, G_PAD: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr):
-    """The gated sum of a group's three branch outputs [G_PAD, DV_PAD], into O."""
-    g = tl.arange(0, G_PAD)
+def _combine_kernel(PM, PL, PACC, PCNT, GC, GS, GW, O, READS,
+                    sgcb, sgch, sgsb, sgsh, sgwb, sgwh, sob, soh, H, HQ,
+                    NC: tl.constexpr, NW: tl.constexpr, NPART: tl.constexpr,
+                    NPART_PAD: tl.constexpr, G: tl.constexpr, DV: tl.constexpr,
+                    DV_PAD: tl.constexpr, PT: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // HQ
+    hq = pid % HQ
+    bh = b * H + hq // G
+    g = hq % G
+    o_cmp = _merge(PM, PL, PACC, bh, g, 0, NC, NPART, G, DV, DV_PAD, PT)
+    o_win = _merge(PM, PL, PACC, bh, g, NC, NC + NW, NPART, G, DV, DV_PAD, PT)
+    o_slc = _merge(PM, PL, PACC, bh, g, NC + NW, NPART, NPART, G, DV, DV_PAD, PT)
+    b64 = b.to(tl.int64)
+    g_cmp = tl.load(GC + b64 * sgcb + hq * sgch).to(tl.float32)
+    g_slc = tl.load(GS + b64 * sgsb + hq * sgsh).to(tl.float32)
+    g_win = tl.load(GW + b64 * sgwb + hq * sgwh).to(tl.float32)
+    o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win
     d = tl.arange(0, DV_PAD)
-    hq = kvh * G + g
-    g_cmp = tl.load(GC + b * sgcb + hq * sgch, mask=g < G, other=0.0).to(tl.float32)
-    g_slc = tl.load(GS + b * sgsb + hq * sgsh, mask=g < G, other=0.0).to(tl.float32)
-    g_win = tl.load(GW + b * sgwb + hq * sgwh, mask=g < G, other=0.0).to(tl.float32)
-    o = g_cmp[:, None] * o_cmp + g_slc[:, None] * o_slc + g_win[:, None] * o_win
-    tl.store(O + b * sob + hq[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
-             mask=(g[:, None] < G) & (d[None, :] < DV))
+    tl.store(O + b64 * sob + hq * soh + d, o.to(O.dtype.element_ty), mask=d < DV)
+    if pid == 0:
+        i = tl.arange(0, NPART_PAD)
+        reads = tl.sum(tl.load(PCNT + i, mask=i < NPART, other=0), 0)
+        tl.store(READS, reads.to(tl.int64))
 
 
 @triton.jit
@@ -424,7 +414,12 @@ def _fused_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, GC, GS, GW, O, BIDX, READS,
     S = tl.load(LEN).to(tl.int32)
     pos = S - 1
     g = tl.arange(0, G_PAD)
+    d = tl.arange(0, DV_PAD)
     q = _load_rows(Q + b * sqb + kvh * G * sqh, g, g < G, sqh, DK, DK_PAD)
+    hq = kvh * G + g
+    g_cmp = tl.load(GC + b * sgcb + hq * sgch, mask=g < G, other=0.0).to(tl.float32)
+    g_slc = tl.load(GS + b * sgsb + hq * sgsh, mask=g < G, other=0.0).to(tl.float32)
+    g_win = tl.load(GW + b * sgwb + hq * sgwh, mask=g < G, other=0.0).to(tl.float32)
     k_ptr = K + b * skb + kvh * skh
     v_ptr = V + b * svb + kvh * svh
 
@@ -432,7 +427,8 @@ def _fused_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, GC, GS, GW, O, BIDX, READS,
         q, KC + b * scb + kvh * sch, VC + b * svcb + kvh * svch, LP,
         bh.to(tl.int64) * 2 * G * NBLK_CAP, 0, S, sct, svct, qk_scale, L, STRIDE, SEL, 1, G,
         G_PAD, NBLK_CAP, DK, DV, DK_PAD, DV_PAD, JT, RPB, PREC)
-    o_cmp = _normalised(acc, l)
+    # a query that sees nothing in a branch gets 0 from it (the reference's rule)
+    o = acc * (g_cmp / tl.where(l > 0, l, 1.0))[:, None]
     # the compressed softmax state, as the one partial _group_scores merges
     tl.store(PM + bh * G + g, m, mask=g < G)
     tl.store(PL + bh * G + g, l, mask=g < G)
@@ -447,11 +443,12 @@ def _fused_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, GC, GS, GW, O, BIDX, READS,
     m, l, acc, n_slc = _select_slots(q, k_ptr, v_ptr, blocks, 0, pos, skt, svt, qk_scale, SEL,
                                      NSEL, NSEL_PAD, NSEL, G_PAD, DK, DV, DK_PAD, DV_PAD, BS,
                                      BS_PAD, PREC)
-    o_slc = _normalised(acc, l)
+    o += acc * (g_slc / tl.where(l > 0, l, 1.0))[:, None]
     m, l, acc, n_win = _window_chunk(q, k_ptr, v_ptr, 0, S, skt, svt, qk_scale, WINDOW, 1,
                                      G_PAD, DK, DV, DK_PAD, DV_PAD, WN, PREC)
-    _store_output(O, GC, GS, GW, b, kvh, o_cmp, o_slc, _normalised(acc, l), sgcb, sgch, sgsb,
-                  sgsh, sgwb, sgwh, sob, soh, G, G_PAD, DV, DV_PAD)
+    o += acc * (g_win / tl.where(l > 0, l, 1.0))[:, None]
+    tl.store(O + b * sob + hq[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
+             mask=(g[:, None] < G) & (d[None, :] < DV))
     if bh == 0:
         tl.store(READS, (n_cmp + n_slc + n_win).to(tl.int64))
 
@@ -462,7 +459,7 @@ def _fused_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, GC, GS, GW, O, BIDX, READS,
 
 class _Plan(NamedTuple):
     """Launch geometry: fixed by shapes and the cache capacity, never by the current length."""
-    fused: bool    # one launch, one program per (batch row, KV head); else two, split-K
+    fused: bool    # one launch, one program per (batch row, KV head); else three, split-K
     nc: int        # compressed chunks per (batch row, KV head)
     nw: int        # window chunks
     ns: int        # selection splits
@@ -635,18 +632,21 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
 
     pacc = torch.empty(B * H, npart, G, Dv, dtype=f32, device=dev)
     pcnt = torch.empty(B * H, npart, dtype=torch.int32, device=dev)
-    arrived = torch.empty(B * H, dtype=torch.int32, device=dev)
     shared.update(NC=plan.nc, NW=plan.nw, NPART=npart)
     _partials_kernel[(plan.nc + plan.nw, B * H)](
-        q, k, v, k_cmp, v_cmp, length, lp, pm, pl, pacc, pcnt, arrived, *strides, *cmp_strides,
-        H, qk_scale, num_warps=LAUNCH["partials"][0], num_stages=LAUNCH["partials"][1],
+        q, k, v, k_cmp, v_cmp, length, lp, pm, pl, pacc, pcnt, *strides, *cmp_strides, H,
+        qk_scale, num_warps=LAUNCH["partials"][0], num_stages=LAUNCH["partials"][1],
         **shared, **cmp_geometry)
     _select_kernel[(plan.ns, B * H)](
-        q, k, v, length, lp, pm, pl, pacc, pcnt, block_idx, arrived, g_cmp, g_slc, g_win, o,
-        reads, *strides, *gate_strides, H, qk_scale,
-        SEL=sel_block, NS=plan.ns, NPART_PAD=_pow2(npart), SPS=plan.sps, NC_PAD=_pow2(plan.nc),
+        q, k, v, length, lp, pm, pl, pacc, pcnt, block_idx, *strides, H, qk_scale,
+        SEL=sel_block, SPS=plan.sps, NC_PAD=_pow2(plan.nc),
         num_warps=max(LAUNCH["select"][0], 8 if nblk_pad > 2048 else 4),
         num_stages=LAUNCH["select"][1], **shared, **selection)
+    # PT: up to 64 partials of a branch merge in one step, so their loads are in flight together
+    _combine_kernel[(B * HQ,)](
+        pm, pl, pacc, pcnt, g_cmp, g_slc, g_win, o, reads, *gate_strides, H, HQ,
+        NC=plan.nc, NW=plan.nw, NPART=npart, NPART_PAD=_pow2(npart), G=G, DV=Dv,
+        DV_PAD=_pow2(Dv, 16), PT=min(64, _pow2(max(plan.nc, plan.nw, plan.ns))), num_warps=4)
     return o, reads, block_idx
 
 
