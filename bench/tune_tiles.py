@@ -30,10 +30,11 @@ def main():
     for l, d in ((32, 16), (64, 64)):
         k_cmp, v_cmp = reference.compress_mean(k, l, d), reference.compress_mean(v, l, d)
         o, lse = C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
-        for rows, sb in ((64, 64), (128, 64), (128, 32), (256, 32), (64, 32)):
-            C._SELECT_TILES = ((rows, sb),) + base_select[1:]
+        for cfg in ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1),
+                    (64, 64, 8, 2), (128, 32, 4, 2)):
+            C._SELECT_TILES = ((cfg, cfg),) + base_select[1:]
             ms = bench(lambda: C.select_blocks(q, k_cmp, lse, l, d, 64, 16, scale))
-            print(f"l={l} d={d} select rows={rows} SB={sb}: {ms:.2f} ms", flush=True)
+            print(f"l={l} d={d} select (rows, SB, warps, stages)={cfg}: {ms:.2f} ms", flush=True)
         C._SELECT_TILES = base_select
         for kind, variants in (("fwd", ((128, 64, 8), (128, 128, 8), (64, 64, 4))),
                                ("dkdv", ((64, 32, 8), (128, 64, 8), (64, 64, 8)))):

@@ -363,7 +363,8 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
     """
     HEAD: tl.constexpr = L // STRIDE - 1
     R: tl.constexpr = SEL // STRIDE
-    tile = tl.zeros([TOK, SB], tl.float32)
+    # per query row first: the sum over the group's heads is a layout change, done once per tile
+    rows = tl.zeros([TOK * G_PAD, SB], tl.float32)
     for o in tl.static_range(HEAD + R):
         kr = j * R - HEAD + o  # block index inside the sequence
         k = _load_keys(k_ptr, base + kr, skn, DK, DK_PAD, (kr >= 0) & (kr < ncmp))
@@ -373,8 +374,8 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
         start = kr * STRIDE
         overlap = tl.minimum(start + L, (j + 1) * SEL) - tl.maximum(start, j * SEL)
         w = tl.maximum(overlap, 0).to(tl.float32) / L
-        tile += tl.sum(tl.reshape(p * w[None, :], (TOK, G_PAD, SB)), 1)
-    return tile
+        rows += p * w[None, :]
+    return tl.sum(tl.reshape(rows, (TOK, G_PAD, SB)), 1)
 
 
 @triton.jit
@@ -408,20 +409,28 @@ def _score_sequence(acc, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k
 
 
 @triton.jit
-def _top_n(score, pos, SEL: tl.constexpr, NSEL: tl.constexpr, NBLK_PAD: tl.constexpr):
+def _top_n(score, pos, SEL: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
+           NBLK_PAD: tl.constexpr):
     """Chosen-block mask [TOK, NBLK_PAD]: forced 0 and local blocks, then the best scores (ties to
-    the lower index), n rounds of argmax."""
+    the lower index).
+
+    Each candidate is one int64 key, (score bits << 32) + (2**31 - 1 - j): scores are >= 0 so
+    their float bits order like the floats, forced blocks carry +inf, and among equal scores the
+    lower j has the larger key. Keys are distinct, so the n-th largest (a bitonic tl.topk, not n
+    rounds of argmax) is a threshold that picks exactly the reference's blocks; blocks past the
+    token's position are -1 and never chosen."""
     j = tl.arange(0, NBLK_PAD)[None, :]
     cur = (pos // SEL)[:, None]
     allowed = j * SEL <= pos[:, None]
-    forced = allowed & ((j == 0) | (j == cur) | (j == cur - 1))
-    key = tl.where(forced, float("inf"), tl.where(allowed, score, float("-inf")))
-    chosen = tl.zeros(score.shape, tl.int1)
-    for _ in range(NSEL):
-        best, arg = tl.max(key, 1, return_indices=True, return_indices_tie_break_left=True)
-        hit = (j == arg[:, None]) & (best > float("-inf"))[:, None]
-        chosen = chosen | hit
-        key = tl.where(hit, float("-inf"), key)
+    if NSEL >= NBLK_PAD:
+        chosen = allowed
+    else:
+        forced = allowed & ((j == 0) | (j == cur) | (j == cur - 1))
+        bits = tl.where(forced, float("inf"), score).to(tl.int32, bitcast=True)
+        key = tl.where(allowed, (bits.to(tl.int64) << 32) + (2147483647 - j), -1)
+        best = tl.topk(key, NSEL_PAD)  # NSEL_PAD <= NBLK_PAD here: both powers of two
+        nth = tl.sum(tl.where(tl.arange(0, NSEL_PAD)[None, :] == NSEL - 1, best, 0), 1)
+        chosen = (key >= nth[:, None]) & (key >= 0)
     return chosen
 
 
@@ -454,7 +463,7 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
 
     t = t0 + tl.arange(0, TOK)
     _, pos = _token_pos(t, T, SEQ, POS, VARLEN)
-    chosen = _top_n(tl.reshape(acc, (TOK, NBLK_PAD)), pos, SEL, NSEL, NBLK_PAD)
+    chosen = _top_n(tl.reshape(acc, (TOK, NBLK_PAD)), pos, SEL, NSEL, NSEL_PAD, NBLK_PAD)
     # ascending output without a sort: a chosen block's slot is its rank among the chosen
     rank = tl.cumsum(chosen.to(tl.int32), 1) - 1
     count = tl.sum(chosen.to(tl.int32), 1)
@@ -515,11 +524,16 @@ _TILES = {
     "dq": ((64, 64, 8), (32, 64, 8), (32, 32, 8)),
     "dkdv": ((64, 64, 8), (32, 32, 8), (32, 16, 8)),
 }
-# select_blocks per tier: (query rows, selection blocks scored per step), 8 warps
-_SELECT_TILES = ((128, 64), (64, 32), (32, 16))
+# select_blocks per tier, for a score step of one key load (l = d = l') and of several (l/d - 1 +
+# l'/d): (query rows, selection blocks scored per step, num_warps, num_stages). Tiers 1 and 2 are
+# not tuned; one stage keeps their unrolled key loads within shared memory.
+_SELECT_TILES = (((64, 64, 4, 2), (128, 64, 8, 2)),
+                 ((64, 32, 8, 1), (64, 32, 8, 1)),
+                 ((32, 16, 8, 1), (32, 16, 8, 1)))
 # Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16):
-# dk/dv (64, 64, 8) 60 ms vs 72 ms for (64, 32, 8) at l=32, d=16; select 128 rows 17.8 ms vs
-# 21.3 ms for 64 rows at l=32 (at l=d=64 the two are within 0.6 ms).
+# dk/dv (64, 64, 8) 60 ms vs 72 ms for (64, 32, 8) at l=32, d=16; select_blocks at l=32, d=16
+# (5 key loads per step) 11.9 ms vs 12.8-18.3 ms for 8 other (rows, SB, warps, stages), at
+# l=d=l'=64 4.5 ms vs 5.2-7.3 ms.
 
 
 def _tier(dtype: torch.dtype, *dims: int) -> int:
@@ -539,13 +553,15 @@ def _attn_cfg(kind: str, G: int, tier: int) -> _Cfg:
     return _Cfg(*_rows_cfg(G, rows), block_n, num_warps)
 
 
-def _select_cfg(G: int, tier: int, nblk_pad: int) -> tuple[int, int, int]:
-    """(TOK, G_PAD, SB): TOK * NBLK_PAD fp32 scores fit the register budget, >= 16 dot rows."""
-    rows, sb = _SELECT_TILES[tier]
+def _select_cfg(G: int, tier: int, nblk_pad: int, loads_per_step: int
+                ) -> tuple[int, int, int, dict]:
+    """(TOK, G_PAD, SB, launch): TOK * NBLK_PAD fp32 scores fit the register budget, >= 16 dot
+    rows."""
+    rows, sb, num_warps, num_stages = _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
     tok = max(1, min(tok, _SCORE_BUDGET // nblk_pad))
     g_pad = max(g_pad, 16 // tok)
-    return tok, g_pad, min(sb, nblk_pad)
+    return tok, g_pad, min(sb, nblk_pad), dict(num_warps=num_warps, num_stages=num_stages)
 
 
 def _dims(q: Tensor, k: Tensor, v: Optional[Tensor] = None):
@@ -697,15 +713,16 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
         return out
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device)
     nblk_pad = max(16, triton.next_power_of_2(triton.cdiv(T, sel_block)))
-    tok, g_pad, sb = _select_cfg(G, _tier(q.dtype, DK), nblk_pad)
+    tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), nblk_pad,
+                                         block_len // block_stride - 1 + sel_block // block_stride)
     _select_kernel[(triton.cdiv(T, tok), B * H)](
         q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
         T, NC, H, G, HQ, scale * LOG2E,
         L=block_len, STRIDE=block_stride, SEL=sel_block, NSEL=num_sel,
         NSEL_PAD=triton.next_power_of_2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
-        SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=_prec(q.dtype), num_warps=8,
+        SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=_prec(q.dtype),
         # each step issues l/d - 1 + l'/d unrolled key loads; pipelining them over 3 stages
         # overflows shared memory (256 KB at l=32, d=16, l'=64, D=128)
-        num_stages=1)
+        **launch)
     return out

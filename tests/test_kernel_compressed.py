@@ -42,6 +42,7 @@ SEL_CASES = [
     (1, 261, 1, 4, 16, 16, 8, 32, 3),
     (2, 150, 2, 2, 32, 16, 8, 16, 5),
     (1, 20, 2, 2, 16, 32, 16, 64, 3),
+    (1, 100, 1, 2, 16, 16, 8, 16, 16),  # n >= the padded block count: every visible block
 ]
 SEL_IDS = ["B{}-T{}-H{}-G{}-Dk{}-l{}-d{}-s{}-n{}".format(*c) for c in SEL_CASES]
 
@@ -251,7 +252,7 @@ def test_small_tiles(monkeypatch, cu_list, nsplit):
     key tile is cut in three programs whose partial sums meet through atomics (as on a GPU)."""
     monkeypatch.setattr(kc, "_dkdv_splits", lambda *args: nsplit)
     monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4),) * 3 for name in kc._TILES})
-    monkeypatch.setattr(kc, "_SELECT_TILES", ((64, 16),) * 3)
+    monkeypatch.setattr(kc, "_SELECT_TILES", (((64, 16, 4, 1),) * 2,) * 3)
     T = 200 if cu_list is None else cu_list[-1]
     H, G, Dk, Dv, l, d, sel, n = 1, 2, 32, 16, 16, 8, 8, 5
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=_device())
