@@ -409,29 +409,39 @@ def _score_sequence(acc, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k
 
 
 @triton.jit
+def top_n_keys(score, allowed, forced, NSEL_PAD: tl.constexpr, NBLK_PAD: tl.constexpr):
+    """The selection rule of `reference.topn_blocks` as keys: (key [..., NBLK_PAD], its NSEL_PAD
+    largest [..., NSEL_PAD], descending), NSEL_PAD <= NBLK_PAD. Prefill and decode share it.
+
+    Each candidate block j is one int64 key, (score bits << 32) + (2**31 - 1 - j): scores are >= 0
+    so their float bits order like the floats, forced blocks carry +inf, and among equal scores
+    the lower j has the larger key. Keys are distinct, so one bitonic tl.topk (not n rounds of
+    argmax) ranks them with the reference's tie-break. Blocks not allowed are -1: below every
+    allowed block, and `key_block` of them is meaningless."""
+    j = tl.arange(0, NBLK_PAD)
+    bits = tl.where(forced, float("inf"), score).to(tl.int32, bitcast=True)
+    key = tl.where(allowed, (bits.to(tl.int64) << 32) + (2147483647 - j), -1)
+    return key, tl.topk(key, NSEL_PAD)
+
+
+@triton.jit
+def key_block(key):
+    """The block index j of a `top_n_keys` key >= 0."""
+    return (2147483647 - (key & 2147483647)).to(tl.int32)
+
+
+@triton.jit
 def _top_n(score, pos, SEL: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
            NBLK_PAD: tl.constexpr):
-    """Chosen-block mask [TOK, NBLK_PAD]: forced 0 and local blocks, then the best scores (ties to
-    the lower index).
-
-    Each candidate is one int64 key, (score bits << 32) + (2**31 - 1 - j): scores are >= 0 so
-    their float bits order like the floats, forced blocks carry +inf, and among equal scores the
-    lower j has the larger key. Keys are distinct, so the n-th largest (a bitonic tl.topk, not n
-    rounds of argmax) is a threshold that picks exactly the reference's blocks; blocks past the
-    token's position are -1 and never chosen."""
+    """Chosen-block mask [TOK, NBLK_PAD]: keys at or above the n-th largest one (every allowed
+    block when fewer than n are)."""
     j = tl.arange(0, NBLK_PAD)[None, :]
     cur = (pos // SEL)[:, None]
     allowed = j * SEL <= pos[:, None]
-    if NSEL >= NBLK_PAD:
-        chosen = allowed
-    else:
-        forced = allowed & ((j == 0) | (j == cur) | (j == cur - 1))
-        bits = tl.where(forced, float("inf"), score).to(tl.int32, bitcast=True)
-        key = tl.where(allowed, (bits.to(tl.int64) << 32) + (2147483647 - j), -1)
-        best = tl.topk(key, NSEL_PAD)  # NSEL_PAD <= NBLK_PAD here: both powers of two
-        nth = tl.sum(tl.where(tl.arange(0, NSEL_PAD)[None, :] == NSEL - 1, best, 0), 1)
-        chosen = (key >= nth[:, None]) & (key >= 0)
-    return chosen
+    forced = allowed & ((j == 0) | (j == cur) | (j == cur - 1))
+    key, best = top_n_keys(score, allowed, forced, NSEL_PAD, NBLK_PAD)
+    nth = tl.sum(tl.where(tl.arange(0, NSEL_PAD)[None, :] == NSEL - 1, best, 0), 1)
+    return (key >= nth[:, None]) & (key >= 0)
 
 
 @triton.jit
@@ -712,7 +722,8 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     if B * T * H * num_sel == 0:
         return out
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device)
-    nblk_pad = max(16, triton.next_power_of_2(triton.cdiv(T, sel_block)))
+    # (at least NSEL_PAD: the top-n takes the NSEL_PAD largest keys)
+    nblk_pad = max(16, triton.next_power_of_2(max(triton.cdiv(T, sel_block), num_sel)))
     tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), nblk_pad,
                                          block_len // block_stride - 1 + sel_block // block_stride)
     _select_kernel[(triton.cdiv(T, tok), B * H)](

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_ops.kernels.compressed import key_block, top_n_keys
 from nsa_ops.reference import num_cmp
 from nsa_ops.routing import DecodeGeometry, decode_geometry_refusal
 
@@ -258,25 +259,14 @@ def _group_scores(LP, PM, PL, bh, nblk, NC: tl.constexpr, NPART: tl.constexpr,
 @triton.jit
 def _top_n(score, nblk, cur, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
            NBLK_PAD: tl.constexpr):
-    """`reference.topn_blocks` for one row: [NSEL_PAD] block indices, ascending, -1 last.
-
-    Each candidate is one int64 key, (score bits << 32) + (2**31 - 1 - j): scores are >= 0 so
-    their float bits order like the floats, forced blocks carry +inf, and among equal scores the
-    lower j has the larger key. One max-reduction per round then picks the best block with the
-    reference's tie-break; invalid blocks (j > p / l') are -1 and never win against a valid one.
-    """
+    """`reference.topn_blocks` for one row: [NSEL_PAD] block indices, ascending, -1 last (the
+    rule's keys: `top_n_keys`)."""
     j = tl.arange(0, NBLK_PAD)
     valid = j < nblk
     forced = valid & ((j == 0) | (j == cur) | (j == cur - 1))
-    key = tl.where(forced, float("inf"), score).to(tl.int32, bitcast=True)
-    packed = tl.where(valid, (key.to(tl.int64) << 32) + (2147483647 - j), -1)
+    _, best = top_n_keys(score, valid, forced, NSEL_PAD, NBLK_PAD)
     slot = tl.arange(0, NSEL_PAD)
-    picked = tl.full([NSEL_PAD], -1, tl.int32)
-    for r in range(NSEL):
-        best = tl.max(packed, 0)
-        arg = (2147483647 - (best & 2147483647)).to(tl.int32)
-        picked = tl.where(slot == r, tl.where(best >= 0, arg, -1), picked)
-        packed = tl.where(j == arg, -1, packed)
+    picked = tl.where((best >= 0) & (slot < NSEL), key_block(best), -1)
     # ascending, empty (-1) slots last: rank each pick among the others, then place it
     order = tl.where(picked >= 0, picked, NBLK_PAD + slot)
     rank = tl.sum((order[None, :] < order[:, None]).to(tl.int32), 1)
@@ -612,7 +602,7 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
                   DV_PAD=_pow2(Dv, 16), PREC=prec, NBLK_CAP=plan.nblk_cap)
     cmp_geometry = dict(L=block_len, STRIDE=block_stride, SEL=sel_block, WINDOW=window,
                         JT=plan.jt, RPB=sel_block // block_stride, WN=_WINDOW_TILE)
-    nblk_pad = _pow2(plan.nblk_cap, 16)
+    nblk_pad = _pow2(max(plan.nblk_cap, num_sel), 16)  # >= NSEL_PAD, for top_n_keys
     bs = min(64, sel_block & -sel_block)  # largest power of two dividing l', at most 64
     selection = dict(NSEL=num_sel, NSEL_PAD=_pow2(num_sel), NBLK_PAD=nblk_pad, BS=bs,
                      BS_PAD=max(16, bs), GH=min(_pow2(G), max(1, _LP_TILE // nblk_pad)))
