@@ -36,8 +36,11 @@ def main():
             ms = bench(lambda: C.select_blocks(q, k_cmp, lse, l, d, 64, 16, scale))
             print(f"l={l} d={d} select (rows, SB, warps, stages)={cfg}: {ms:.2f} ms", flush=True)
         C._SELECT_TILES = base_select
-        for kind, variants in (("fwd", ((128, 64, 8), (128, 128, 8), (64, 64, 4))),
-                               ("dkdv", ((64, 32, 8), (128, 64, 8), (64, 64, 8)))):
+        for kind, variants in (("fwd", ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))),
+                               ("dq", ((128, 64, 8, 3), (64, 64, 8, 3), (128, 64, 8, 2),
+                                       (64, 64, 4, 3))),
+                               ("dkdv", ((64, 128, 8, 2), (64, 64, 8, 3), (64, 64, 8, 4),
+                                         (128, 64, 8, 2)))):
             for variant in variants:
                 C._TILES = {**base_tiles, kind: (variant,) + base_tiles[kind][1:]}
                 fn = (lambda: C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)) \

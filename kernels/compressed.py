@@ -523,16 +523,18 @@ class _Cfg(NamedTuple):
     g_pad: int      # rows per token (heads of the group, padded to a power of two)
     block_n: int    # compressed rows per key tile
     num_warps: int
+    num_stages: int
 
 
-# (query rows, key rows, warps) per kernel and tier, the tier being the padded head-row size in
-# bytes (_tier). Tiers 0 and 1 cover fp16/bf16 head dims <= 128 and <= 256 and compile for sm_90
-# without register spills. fp32 (ieee dots: a correctness path, not tuned) lands a tier higher;
-# tier 2 only keeps it within shared memory. Query rows are TOK * G_PAD: TOK shrinks as G grows.
+# (query rows, key rows, warps, stages) per kernel and tier, the tier being the padded head-row
+# size in bytes (_tier). Tiers 0 and 1 cover fp16/bf16 head dims <= 128 and <= 256 and compile
+# for sm_90 without register spills. fp32 (ieee dots: a correctness path, not tuned) lands a tier
+# higher; tier 2 only keeps it within shared memory. Query rows are TOK * G_PAD: TOK shrinks as
+# G grows.
 _TILES = {
-    "fwd": ((128, 64, 8), (64, 32, 8), (32, 32, 8)),
-    "dq": ((64, 64, 8), (32, 64, 8), (32, 32, 8)),
-    "dkdv": ((64, 64, 8), (32, 32, 8), (32, 16, 8)),
+    "fwd": ((128, 64, 8, 3), (64, 32, 8, 3), (32, 32, 8, 3)),
+    "dq": ((128, 64, 8, 3), (32, 64, 8, 3), (32, 32, 8, 3)),
+    "dkdv": ((64, 128, 8, 2), (32, 32, 8, 3), (32, 16, 8, 3)),
 }
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (l/d - 1 +
 # l'/d): (query rows, selection blocks scored per step, num_warps, num_stages). Tiers 1 and 2 are
@@ -540,10 +542,12 @@ _TILES = {
 _SELECT_TILES = (((64, 64, 4, 2), (128, 64, 8, 2)),
                  ((64, 32, 8, 1), (64, 32, 8, 1)),
                  ((32, 16, 8, 1), (32, 16, 8, 1)))
-# Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16):
-# dk/dv (64, 64, 8) 60 ms vs 72 ms for (64, 32, 8) at l=32, d=16; select_blocks at l=32, d=16
-# (5 key loads per step) 11.9 ms vs 12.8-18.3 ms for 8 other (rows, SB, warps, stages), at
-# l=d=l'=64 4.5 ms vs 5.2-7.3 ms.
+# Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16).
+# Backward ms at l=32, d=16 / l=d=64 with the other kernel at its old (64, 64, 8, 3): dq
+# (128, 64, 8, 3) 49.5 / 14.9 vs (64, 64, 8, 3) 62.5 / 18.6 and 5 others 51.3-68.6 / 15.2-19.3;
+# dk/dv (64, 128, 8, 2) 49.4 / 15.4 vs 61.7-72.2 / 18.5-22.1 for 7 others. select_blocks at
+# l=32, d=16 (5 key loads per step) 11.9 ms vs 12.8-18.3 ms for 8 other (rows, SB, warps,
+# stages), at l=d=l'=64 4.5 ms vs 5.2-7.3 ms.
 
 
 def _tier(dtype: torch.dtype, *dims: int) -> int:
@@ -559,8 +563,8 @@ def _rows_cfg(G: int, rows: int) -> tuple[int, int]:
 
 
 def _attn_cfg(kind: str, G: int, tier: int) -> _Cfg:
-    rows, block_n, num_warps = _TILES[kind][tier]
-    return _Cfg(*_rows_cfg(G, rows), block_n, num_warps)
+    rows, block_n, num_warps, num_stages = _TILES[kind][tier]
+    return _Cfg(*_rows_cfg(G, rows), block_n, num_warps, num_stages)
 
 
 def _select_cfg(G: int, tier: int, nblk_pad: int, loads_per_step: int
@@ -632,7 +636,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
         T, NC, H, G, HQ, scale * LOG2E,
         L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK), DV_PAD=_pad(DV),
         TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, VARLEN=lay.varlen,
-        PREC=_prec(q.dtype), num_warps=cfg.num_warps)
+        PREC=_prec(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
@@ -673,7 +677,8 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
         q, k_cmp, v_cmp, do, lse, delta, dq, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
         *_s(dq, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
-        TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **common)
+        TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **common)
     if NC > 0:
         cfg = _attn_cfg("dkdv", G, tier)
         key_tiles = triton.cdiv(NC, cfg.block_n)
@@ -689,7 +694,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
             *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
             *_s(dk_acc, 0, 1, 2), *_s(dv_acc, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
             TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            NSPLIT=nsplit, **common)
+            num_stages=cfg.num_stages, NSPLIT=nsplit, **common)
         if nsplit > 1:
             dk.copy_(dk_acc)
             dv.copy_(dv_acc)

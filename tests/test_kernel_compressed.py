@@ -251,7 +251,7 @@ def test_small_tiles(monkeypatch, cu_list, nsplit):
     the first sequence already sees more than a key tile. split3: the dk/dv query range of every
     key tile is cut in three programs whose partial sums meet through atomics (as on a GPU)."""
     monkeypatch.setattr(kc, "_dkdv_splits", lambda *args: nsplit)
-    monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4),) * 3 for name in kc._TILES})
+    monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4, 1),) * 3 for name in kc._TILES})
     monkeypatch.setattr(kc, "_SELECT_TILES", (((64, 16, 4, 1),) * 2,) * 3)
     T = 200 if cu_list is None else cu_list[-1]
     H, G, Dk, Dv, l, d, sel, n = 1, 2, 32, 16, 16, 8, 8, 5
