@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 import nsa_ops
-from bench_prefill import median_ms, run_header, write_csv
+from nsa_ops.results import new_figure, save_figure, write_csv
+from bench_prefill import median_ms, run_header
 
 HIDDEN, HQ, H, D = 4096, 64, 4, 128
 
@@ -51,10 +52,7 @@ def steps(layer, x):
 
 
 def plot(rows, path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = new_figure(1, 2, figsize=(10, 4))
     for ax, step in zip(axes, ("fwd", "fwd_bwd")):
         sub = [r for r in rows if r["step"] == step]
         labels = [str(r["T"]) for r in sub]
@@ -66,9 +64,7 @@ def plot(rows, path: Path, title: str) -> None:
         ax.set_xlabel("sequence length T")
         ax.set_ylabel(f"{step} ms")
         ax.legend()
-    fig.suptitle(title, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, title)
 
 
 def main() -> None:

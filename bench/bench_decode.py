@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 import nsa_ops
 from nsa_ops import reference
-from bench_prefill import run_header, write_csv
+from bench_prefill import run_header
 from nsa_ops.kernels import decode as decode_kernels
 from nsa_ops.kernels.decode import decode_attention_fwd
+from nsa_ops.results import new_figure, save_figure, write_csv
 
 HQ, H, D = 64, 4, 128
 # nominal HBM bandwidth in TB/s, matched against torch.cuda.get_device_name() in this order
@@ -140,10 +141,7 @@ def measure(S: int, B: int, flush: torch.Tensor, reps: int) -> dict:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = new_figure(figsize=(7, 4.2))
     for B in dict.fromkeys(r["B"] for r in rows):
         pts = [r for r in rows if r["B"] == B]
         line, = ax.plot([r["S"] for r in pts], [r["nsa_us"] for r in pts], marker="o",
@@ -156,9 +154,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel("decode step, median µs (CUDA graph)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, "\n".join(textwrap.wrap(title, 120)))
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from nsa_ops import reference
-from bench_prefill import run_header, write_csv
+from nsa_ops.results import write_csv
+from bench_prefill import run_header
 
 HQ, H, D = 64, 4, 128
 

@@ -14,34 +14,24 @@ Prints a table; writes prefill.csv and prefill.png (median ms, log scale) into -
 from __future__ import annotations
 
 import argparse
-import csv
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import nsa_ops
-from nsa_ops import env, reference
+from nsa_ops import reference
+from nsa_ops.results import commit, new_figure, save_figure, write_csv
 
 HQ, H, D = 64, 4, 128
-
-
-def _commit() -> str:
-    if env.commit_override():
-        return env.commit_override()
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def run_header() -> str:
     """What every committed result names: device, versions, commit."""
     import triton
     return (f"device={torch.cuda.get_device_name()} torch={torch.__version__} "
-            f"triton={triton.__version__} commit={_commit()} python={platform.python_version()}")
+            f"triton={triton.__version__} commit={commit()} python={platform.python_version()}")
 
 
 def nsa_full(q, k, v, g):
@@ -149,21 +139,8 @@ def main() -> None:
     plot(rows, out / "prefill.png", header)
 
 
-def write_csv(path: Path, rows: list[dict], header: str) -> None:
-    """Rows as CSV under a '# header' line naming device, versions and commit."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        f.write(f"# {header}\n")
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def plot(rows, path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = new_figure(1, 2, figsize=(11, 4.2))
     for ax, key in zip(axes, ("fwd_ms", "fwd_bwd_ms")):
         for name in dict.fromkeys(r["method"] for r in rows):
             pts = [(r["T"], r[key]) for r in rows if r["method"] == name]
@@ -174,9 +151,7 @@ def plot(rows, path: Path, title: str) -> None:
         ax.set_ylabel(f"{key.replace('_ms', '')} median ms")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend()
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, title, fontsize=8)
 
 
 if __name__ == "__main__":

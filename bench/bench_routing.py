@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 from nsa_ops.kernels.selection import selection_attention_fwd
 from nsa_ops.packed import selection_attention_packed
+from nsa_ops.results import new_figure, save_figure, write_csv
 from bench_kernels import median_ms, random_selection
-from bench_prefill import run_header, write_csv
+from bench_prefill import run_header
 
 HQ, H, D, SEL, N = 64, 4, 128, 64, 16
 IMPLS = {"triton": selection_attention_fwd, "packed_sdpa": selection_attention_packed}
@@ -40,10 +41,7 @@ def crossover(rows, batch: int) -> int:
 
 
 def plot(rows, path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, ax = new_figure(figsize=(6, 4.2))
     for key in dict.fromkeys((r["impl"], r["B"]) for r in rows):
         pts = [(r["T"], r["fwd_ms"]) for r in rows if (r["impl"], r["B"]) == key]
         ax.plot(*zip(*pts), marker="o", label=f"{key[0]} B={key[1]}")
@@ -53,9 +51,7 @@ def plot(rows, path: Path, title: str) -> None:
     ax.set_ylabel("selection forward, median ms")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.suptitle(title, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, title)
 
 
 def main() -> None:

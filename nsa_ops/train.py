@@ -16,11 +16,9 @@ train_loss.png (needs matplotlib) into --out; elapsed_s counts training time, no
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import math
 import platform
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -32,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import env
 from .config import NSAConfig
 from .module import NSAAttention, rope
+from .results import commit, new_figure, save_figure, write_csv
 
 MODELS = ("nsa", "dense")
 CSV_FIELDS = ("step", "model", "train_loss", "eval_loss", "eval_answer_acc", "elapsed_s")
@@ -365,48 +363,24 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int) -> l
 
 # ---- reporting -------------------------------------------------------------------------------
 
-def _commit() -> str:
-    if env.commit_override():
-        return env.commit_override()
-    try:
-        return subprocess.check_output(["git", "describe", "--always", "--dirty"], text=True,
-                                       cwd=Path(__file__).resolve().parent,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_header(device: torch.device, preset_name: str) -> str:
     """What a committed result names: device, versions, commit, preset."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{device.type} ({platform.machine()}, {torch.get_num_threads()} threads)"
-    return (f"device={name} torch={torch.__version__} commit={_commit()} "
+    return (f"device={name} torch={torch.__version__} commit={commit()} "
             f"python={platform.python_version()} preset={preset_name}")
-
-
-def write_csv(path: Path, rows: list[dict], header: str) -> None:
-    """Rows under a '# header' line naming device, versions and commit."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        f.write(f"# {header}\n")
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def plot(rows: list[dict], path: Path, title: str, chance: float) -> bool:
     """Answer loss and accuracy per model; False, with a hint, when matplotlib is missing."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        fig, (loss_ax, acc_ax) = new_figure(1, 2, figsize=(11, 4.2))
     except ImportError:
         print(f"matplotlib is not installed, so {path.name} was not drawn: "
               f"pip install matplotlib (or pip install 'nsa-ops[train]')")
         return False
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
         mine = [r for r in rows if r["model"] == name]
         steps = [r["step"] for r in mine]
@@ -425,10 +399,7 @@ def plot(rows: list[dict], path: Path, title: str, chance: float) -> bool:
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title, fontsize=8)
     return True
 
 
@@ -487,7 +458,7 @@ def run(preset: Union[str, Preset] = "cpu", steps: Optional[int] = None,
         rows += train_model(p, attention, device, seed)
         params[attention] = sum(t.numel() for t in build_model(p, attention, seed).parameters())
     wall = time.perf_counter() - start
-    write_csv(out / "train_loss.csv", rows, header)
+    write_csv(out / "train_loss.csv", rows, header, CSV_FIELDS)
     plotted = plot(rows, out / "train_loss.png", header, chance=1 / p.num_values)
     print(summary(rows, params))
     print(f"wall time {wall:.1f}s (both models, with evaluation); wrote "
