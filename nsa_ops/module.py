@@ -28,13 +28,10 @@ def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
     return (xc * cos + torch.cat([-x2, x1], -1) * sin).to(x.dtype)
 
 
-class NSAAttention(nn.Module):
-    """x [B,T,hidden] -> [B,T,hidden] through Native Sparse Attention (NSA-SPEC.md).
-
-    RoPE rotates q and k before phi, so compressed keys are pooled from rotated keys. The gate MLP
-    reads x and yields one gate per query head and branch; its last layer starts at zero, so the
-    gates start at act(0): 0.5 each (sigmoid) or 1/3 each (softmax over the 3 branches).
-    """
+class AttentionProjections(nn.Module):
+    """The q/k/v/o projections and RoPE of an attention layer with this config's heads. Subclasses
+    (NSAAttention, the training showcase's dense baseline) create these four first, so equal
+    seeds give them equal weights."""
 
     def __init__(self, config: NSAConfig):
         super().__init__()
@@ -45,8 +42,29 @@ class NSAAttention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, H * c.head_dim_qk, bias=c.bias)
         self.v_proj = nn.Linear(c.hidden_size, H * c.head_dim_v, bias=c.bias)
         self.o_proj = nn.Linear(HQ * c.head_dim_v, c.hidden_size, bias=c.bias)
+
+    def _qkv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B,T,HQ,Dk] and k [B,T,H,Dk] rotated at positions pos, v [B,T,H,Dv]."""
+        c = self.config
+        q = self.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim_qk))
+        k = self.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim_qk))
+        v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim_v))
+        return rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta), v
+
+
+class NSAAttention(AttentionProjections):
+    """x [B,T,hidden] -> [B,T,hidden] through Native Sparse Attention (NSA-SPEC.md).
+
+    RoPE rotates q and k before phi, so compressed keys are pooled from rotated keys. The gate MLP
+    reads x and yields one gate per query head and branch; its last layer starts at zero, so the
+    gates start at act(0): 0.5 each (sigmoid) or 1/3 each (softmax over the 3 branches).
+    """
+
+    def __init__(self, config: NSAConfig):
+        super().__init__(config)
+        c = config
         self.gate = nn.Sequential(nn.Linear(c.hidden_size, c.hidden_size, bias=c.bias), nn.SiLU(),
-                                  nn.Linear(c.hidden_size, 3 * HQ, bias=c.bias))
+                                  nn.Linear(c.hidden_size, 3 * c.num_heads, bias=c.bias))
         nn.init.zeros_(self.gate[-1].weight)
         if c.bias:
             nn.init.zeros_(self.gate[-1].bias)
@@ -68,13 +86,6 @@ class NSAAttention(nn.Module):
         g = self.gate(x).unflatten(-1, (self.config.num_heads, 3))
         g = torch.sigmoid(g) if self.config.gate_act == "sigmoid" else torch.softmax(g, -1)
         return g.unbind(-1)
-
-    def _qkv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        c = self.config
-        q = self.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim_qk))
-        k = self.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim_qk))
-        v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim_v))
-        return rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta), v
 
     def _check_positions(self, end: int) -> None:
         limit = self.config.max_position

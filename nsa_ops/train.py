@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import NSAConfig
-from .module import NSAAttention, rope
+from .module import AttentionProjections, NSAAttention
 from .results import commit, new_figure, save_figure, write_csv
 
 MODELS = ("nsa", "dense")
@@ -171,23 +171,12 @@ def make_batch(p: Preset, batch_size: int, generator: torch.Generator) -> tuple[
 
 # ---- model -----------------------------------------------------------------------------------
 
-class DenseAttention(nn.Module):
+class DenseAttention(AttentionProjections):
     """The baseline: NSAAttention's projections, RoPE and GQA, with full causal attention."""
-
-    def __init__(self, config: NSAConfig):
-        super().__init__()
-        self.config = c = config
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim_qk, bias=c.bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim_qk, bias=c.bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim_v, bias=c.bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim_v, c.hidden_size, bias=c.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         c = self.config
-        pos = torch.arange(x.shape[1], device=x.device)
-        q = rope(self.q_proj(x).unflatten(-1, (c.num_heads, -1)), pos, c.rope_theta)
-        k = rope(self.k_proj(x).unflatten(-1, (c.num_kv_heads, -1)), pos, c.rope_theta)
-        v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, -1))
+        q, k, v = self._qkv(x, torch.arange(x.shape[1], device=x.device))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True, enable_gqa=True,
                                            scale=c.scale)
@@ -211,7 +200,7 @@ class Block(nn.Module):
 def _attention(p: Preset, attention: str, seed: int) -> nn.Module:
     """An attention layer drawn from its own RNG stream: NSA's gate MLP draws numbers the dense
     layer does not, and the layers after it must still start equal in both models. Both create
-    q/k/v/o first, so those start equal too."""
+    q/k/v/o first (AttentionProjections), so those start equal too."""
     layer = NSAAttention if attention == "nsa" else DenseAttention
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
