@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+import helpers
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -18,3 +20,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def poisoned_empty():
+    """`helpers.poisoned_empty` for the whole test."""
+    with helpers.poisoned_empty():
+        yield

@@ -1,6 +1,8 @@
 """Shared input builders for the tests: random data, fixed seeds, never zeros."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from nsa_ops import reference
@@ -46,3 +48,25 @@ def selection_for(q, k, v, geo, cu=None):
                                                 geo["block_stride"], scale, cu)
         return reference.select_blocks(q, k_cmp, lse, geo["block_len"], geo["block_stride"],
                                        geo["sel_block"], geo["num_sel"], scale, cu)
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """torch.empty / empty_like return NaN (floats) or -7 (ints): whatever a kernel leaves
+    unwritten, in outputs or scratch, cannot pass as zeros."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(x):
+        return x.fill_(float("nan") if x.is_floating_point() else -7)
+    torch.empty = lambda *a, **k: poison(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
+
+
+def rel_err(got, want):
+    """Relative Frobenius error ||got - want|| / ||want||, in float32."""
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()

@@ -4,15 +4,11 @@ import torch
 
 import nsa_ops
 from nsa_ops import reference as R, routing
-from helpers import cu_seqlens, gates, qkv
+from helpers import cu_seqlens, gates, qkv, rel_err
 
 pytestmark = pytest.mark.gpu
 
 REL = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-3}
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -8,13 +8,12 @@ inputs. The interpreter's argmax ignores the tie-break mode, so test_select_bloc
 the kernel's tie-break on a GPU. The @pytest.mark.gpu cases use realistic shapes in fp16/bf16 and
 compare relative errors against a float32 reference.
 """
-import contextlib
-
 import pytest
 import torch
 
 from nsa_ops import reference as ref
 from nsa_ops.kernels import compressed as kc
+from helpers import poisoned_empty, rel_err
 
 # per dtype: |kernel - reference| <= ATOL * (1 + |reference|)
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2}
@@ -61,21 +60,6 @@ def make_inputs(B, T, H, G, Dk, Dv, l, d, dtype, cu=None, device=None, seed=0):
     # q is a view into a wider tensor (fused-projection layout): exercises the strides
     q = rnd(B, T, H * G, Dk + 8)[..., :Dk]
     return q, rnd(B, nc, H, Dk), rnd(B, nc, H, Dv)
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty / empty_like return NaN (floats) or -7 (ints): unwritten outputs show up."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(x):
-        return x.fill_(float("nan") if x.is_floating_point() else -7)
-    torch.empty = lambda *a, **k: poison(empty(*a, **k))
-    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like = empty, empty_like
 
 
 def f64(*xs):
@@ -275,10 +259,6 @@ GPU_CASES = [
     (1, 8192, 8, 1, 128, 128),
 ]
 GPU_VARLEN_CU = [0, 17, 1000, 1031, 4096, 6000]
-
-
-def rel_err(got, want):
-    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
 
 
 def check_gpu(q, k, v, cu, dtype):

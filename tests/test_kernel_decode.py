@@ -14,8 +14,6 @@ prefill (relative Frobenius error < 1e-2 fp16, < 2e-2 bf16, T=2000 crossing ever
 CUDA-graph decoder equals eager decode step by step, and at 64k both the split-K and the one-launch
 kernels equal the float32 reference at a few positions.
 """
-import contextlib
-
 import pytest
 import torch
 
@@ -23,6 +21,7 @@ from nsa_ops import NSAAttention, NSACache, NSAConfig, reference, routing
 from nsa_ops import decode as dec
 from nsa_ops.kernels.decode import nsa_decode
 from nsa_ops.routing import Inputs
+from helpers import poisoned_empty, rel_err
 
 GEO = dict(block_len=16, block_stride=8, sel_block=16, num_sel=4, window=24)
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-2}
@@ -30,21 +29,6 @@ REL_GPU = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 # log2 of a block's Eq.9 mass is -inf when no row overlaps it; numpy warns about it
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty returns NaN (floats) or -7 (ints): unwritten outputs and scratch show up."""
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        x = empty(*args, **kwargs)
-        return x.fill_(float("nan") if x.is_floating_point() else -7)
-    torch.empty = poisoned
-    try:
-        yield
-    finally:
-        torch.empty = empty
 
 
 def config(G, H, Dk, Dv, **geo):
@@ -260,10 +244,6 @@ def test_cuda_graph_decoder_needs_static_cuda_cache():
 # --------------------------------------------------------------------------------------------
 
 SPEC = dict(hidden_size=256, num_heads=16, num_kv_heads=2, head_dim_qk=64, head_dim_v=64)
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def gpu_layer(dtype, seed=0, **over):

@@ -15,6 +15,7 @@ import torch
 from nsa_ops import reference as ref
 from nsa_ops.kernels import selection as sel_kernels
 from nsa_ops.kernels.selection import selection_attention_bwd, selection_attention_fwd
+from helpers import rel_err
 
 CMP_LEN, CMP_STRIDE = 32, 16
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2)}
@@ -65,17 +66,6 @@ def random_block_idx(B, T, H, n, sel_block, cu_seqlens=None, seed=1):
 # --------------------------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def poisoned_empty(monkeypatch):
-    """torch.empty returns NaN (floats) / a sentinel (ints) so unwritten outputs are caught."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        x = real_empty(*args, **kwargs)
-        return x.fill_(float("nan") if x.is_floating_point() else -7777)
-    monkeypatch.setattr(torch, "empty", empty)
-
 
 def assert_close(name, out, expected, dtype):
     atol, rtol = TOL[dtype]
@@ -163,11 +153,6 @@ def test_selection_kernels_varlen(selection, poisoned_empty):
 # --------------------------------------------------------------------------------------------
 # GPU cases (pytest -m gpu)
 # --------------------------------------------------------------------------------------------
-
-def rel_err(out, expected):
-    out, expected = out.float(), expected.float()
-    return ((out - expected).norm() / expected.norm().clamp_min(1e-12)).item()
-
 
 def run_gpu_case(B, T, H, G, Dk, Dv, dtype, cu_seqlens=None, sel_block=64, n=16, device="cuda"):
     q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype, device=device)
