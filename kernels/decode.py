@@ -388,6 +388,13 @@ def _combine_kernel(PM, PL, PACC, PCNT, GC, GS, GW, O, READS,
 
 
 @triton.jit
+def _gated(acc, l, gate):
+    """gate * acc / l per query row; a row that sees nothing in a branch gets 0 from it (the
+    reference's rule)."""
+    return acc * (gate / tl.where(l > 0, l, 1.0))[:, None]
+
+
+@triton.jit
 def _fused_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, GC, GS, GW, O, BIDX, READS,
                   sqb, sqh, skb, skt, skh, svb, svt, svh, scb, sct, sch, svcb, svct, svch,
                   sgcb, sgch, sgsb, sgsh, sgwb, sgwh, sob, soh, H, qk_scale,
@@ -417,8 +424,7 @@ def _fused_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, GC, GS, GW, O, BIDX, READS,
         q, KC + b * scb + kvh * sch, VC + b * svcb + kvh * svch, LP,
         bh.to(tl.int64) * 2 * G * NBLK_CAP, 0, S, sct, svct, qk_scale, L, STRIDE, SEL, 1, G,
         G_PAD, NBLK_CAP, DK, DV, DK_PAD, DV_PAD, JT, RPB, PREC)
-    # a query that sees nothing in a branch gets 0 from it (the reference's rule)
-    o = acc * (g_cmp / tl.where(l > 0, l, 1.0))[:, None]
+    o = _gated(acc, l, g_cmp)
     # the compressed softmax state, as the one partial _group_scores merges
     tl.store(PM + bh * G + g, m, mask=g < G)
     tl.store(PL + bh * G + g, l, mask=g < G)
@@ -433,10 +439,10 @@ def _fused_kernel(Q, K, V, KC, VC, LEN, LP, PM, PL, GC, GS, GW, O, BIDX, READS,
     m, l, acc, n_slc = _select_slots(q, k_ptr, v_ptr, blocks, 0, pos, skt, svt, qk_scale, SEL,
                                      NSEL, NSEL_PAD, NSEL, G_PAD, DK, DV, DK_PAD, DV_PAD, BS,
                                      BS_PAD, PREC)
-    o += acc * (g_slc / tl.where(l > 0, l, 1.0))[:, None]
+    o += _gated(acc, l, g_slc)
     m, l, acc, n_win = _window_chunk(q, k_ptr, v_ptr, 0, S, skt, svt, qk_scale, WINDOW, 1,
                                      G_PAD, DK, DV, DK_PAD, DV_PAD, WN, PREC)
-    o += acc * (g_win / tl.where(l > 0, l, 1.0))[:, None]
+    o += _gated(acc, l, g_win)
     tl.store(O + b * sob + hq[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
              mask=(g[:, None] < G) & (d[None, :] < DV))
     if bh == 0:
