@@ -44,6 +44,16 @@ def _fake_grads(*like: Tensor) -> tuple[Tensor, ...]:
     return tuple(torch.empty_like(t) for t in like)
 
 
+def _do_or_zeros(o: Tensor, do: Optional[Tensor]) -> Tensor:
+    """Autograd's grad of o, which is None when only lse was used.
+
+    The setup_context functions turn grad materialisation off so that an unused lse arrives as
+    None rather than zeros: a zero dlse would cost the FA-2 window backward a second full pass
+    and every kernel a pointless load. The o side still needs a tensor.
+    """
+    return torch.zeros_like(o) if do is None else do
+
+
 # ---- compressed attention ------------------------------------------------------------------
 
 @custom_op("nsa::compressed_attention", mutates_args=(), device_types=_DEVICES)
@@ -81,11 +91,13 @@ def _(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale, cu_seql
 def _setup_compressed(ctx, inputs, output):
     q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens = inputs
     ctx.save_for_backward(q, k_cmp, v_cmp, *output, cu_seqlens)
+    ctx.set_materialize_grads(False)
     ctx.params = (block_len, block_stride, scale)
 
 
 def _backward_compressed(ctx, do, dlse):
     q, k_cmp, v_cmp, o, lse, cu_seqlens = ctx.saved_tensors
+    do = _do_or_zeros(o, do)
     dq, dk, dv = compressed_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse, *ctx.params,
                                                cu_seqlens)
     return dq, dk, dv, None, None, None, None
@@ -159,11 +171,13 @@ def _(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale, cu_seqlens=None):
 def _setup_selection(ctx, inputs, output):
     q, k, v, block_idx, sel_block, scale, cu_seqlens = inputs
     ctx.save_for_backward(q, k, v, *output, block_idx, cu_seqlens)
+    ctx.set_materialize_grads(False)
     ctx.params = (sel_block, scale)
 
 
 def _backward_selection(ctx, do, dlse):
     q, k, v, o, lse, block_idx, cu_seqlens = ctx.saved_tensors
+    do = _do_or_zeros(o, do)
     dq, dk, dv = selection_attention_backward(q, k, v, o, lse, do, dlse, block_idx, *ctx.params,
                                               cu_seqlens)
     return dq, dk, dv, None, None, None, None
@@ -205,11 +219,13 @@ def _(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens=None):
 def _setup_window(ctx, inputs, output):
     q, k, v, window, scale, cu_seqlens = inputs
     ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    ctx.set_materialize_grads(False)
     ctx.params = (window, scale)
 
 
 def _backward_window(ctx, do, dlse):
     q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    do = _do_or_zeros(o, do)
     dq, dk, dv = sliding_window_attention_backward(q, k, v, o, lse, do, dlse, *ctx.params,
                                                    cu_seqlens)
     return dq, dk, dv, None, None, None

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from torch.library import opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nsa_ops  # noqa: F401  (registers torch.ops.nsa)
 from helpers import SMALL, compressed, cu_seqlens, qkv, selection_for
@@ -78,3 +79,39 @@ def test_select_blocks_is_not_differentiable():
     q, k_cmp, lse, *rest = _args("select_blocks", 1, 45, 2, None, torch.float64)
     idx = torch.ops.nsa.select_blocks(q, k_cmp, lse.requires_grad_(), *rest)
     assert idx.dtype == torch.int32 and not idx.requires_grad
+
+
+class _RecordBackwardCalls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.dlse_args = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name().endswith("_backward"):
+            self.dlse_args.append(args[6])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("used", ["o", "lse"])
+@pytest.mark.parametrize("op", ["compressed_attention", "selection_attention",
+                                "sliding_window_attention"])
+def test_grads_when_one_output_is_unused(op, used):
+    """An unused output reaches the backward op as None (no zero-filled dlse: the FA-2 window
+    backward would run a second pass for it); the grads equal explicit zeros' grads."""
+    args = _args(op, 2, 45, 2, None, torch.float64)
+    o, lse = getattr(torch.ops.nsa, op)(*args)
+    weight = torch.randn_like(o if used == "o" else lse)
+    loss = (o * weight).sum() if used == "o" else (torch.nan_to_num(lse, neginf=0.0) * weight).sum()
+    inputs = args[:3]
+    with _RecordBackwardCalls() as calls:
+        grads = torch.autograd.grad(loss, inputs)
+    assert len(calls.dlse_args) == 1
+    if used == "o":
+        assert calls.dlse_args[0] is None
+    do = weight if used == "o" else torch.zeros_like(o)
+    dlse = torch.zeros_like(lse) if used == "o" else torch.where(torch.isfinite(lse), weight, 0.0)
+    q, k, v, *rest = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    expected = getattr(torch.ops.nsa, op + "_backward")(q, k, v, o.detach(), lse.detach(), do,
+                                                       dlse, *rest)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
