@@ -7,6 +7,7 @@ Backward ops are ops too, so compiled and exported backward graphs keep them opa
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -232,3 +233,58 @@ def _backward_window(ctx, do, dlse):
 
 
 sliding_window_attention.register_autograd(_backward_window, setup_context=_setup_window)
+
+
+# ---- gated combine of the branches -------------------------------------------------------------
+
+def _gate_route(o_cmp: Tensor, *others: Tensor) -> routing.Route:
+    dtype = o_cmp.dtype
+    for x in others:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return routing.choose("gate_combine", dataclasses.replace(Inputs.of(o_cmp, o_cmp), dtype=dtype))
+
+
+@custom_op("nsa::gate_combine", mutates_args=(), device_types=_DEVICES)
+def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor, g_slc: Tensor,
+                 g_win: Tensor) -> Tensor:
+    check.gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    return _call(route.forward, route, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+
+
+@gate_combine.register_fake
+def _(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win):
+    check.gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    dtype = o_cmp.dtype
+    for x in (o_slc, o_win, g_cmp, g_slc, g_win):
+        dtype = torch.promote_types(dtype, x.dtype)
+    return o_cmp.new_empty(o_cmp.shape, dtype=dtype)
+
+
+@custom_op("nsa::gate_combine_backward", mutates_args=(), device_types=_DEVICES)
+def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor,
+                          g_slc: Tensor, g_win: Tensor, gate_grads: bool
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    return _call(route.backward, route, do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads)
+
+
+@gate_combine_backward.register_fake
+def _(do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads):
+    return (*_fake_grads(o_cmp, o_slc, o_win),
+            *(g.new_empty(g.shape if gate_grads else (0,)) for g in (g_cmp, g_slc, g_win)))
+
+
+def _setup_gate(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.gate_grads = any(ctx.needs_input_grad[3:])
+
+
+def _backward_gate(ctx, do):
+    grads = gate_combine_backward(do, *ctx.saved_tensors, ctx.gate_grads)
+    d_o, d_g = grads[:3], grads[3:]
+    return (*(d if need else None for d, need in zip(d_o, ctx.needs_input_grad[:3])),
+            *(d if need else None for d, need in zip(d_g, ctx.needs_input_grad[3:])))
+
+
+gate_combine.register_autograd(_backward_gate, setup_context=_setup_gate)

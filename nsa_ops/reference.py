@@ -386,6 +386,20 @@ def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor, g_s
             + g_win.unsqueeze(-1) * o_win)
 
 
+def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor,
+                          g_slc: Tensor, g_win: Tensor, gate_grads: bool) -> tuple[Tensor, ...]:
+    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win) in the inputs' dtypes; the gate
+    grads are empty [0] tensors unless gate_grads (a caller whose gates need no grad skips
+    reading the branch outputs)."""
+    gates = (g_cmp, g_slc, g_win)
+    d_o = [(g.unsqueeze(-1) * do).to(o.dtype) for g, o in zip(gates, (o_cmp, o_slc, o_win))]
+    if gate_grads:
+        d_g = [(do * o).sum(-1).to(g.dtype) for o, g in zip((o_cmp, o_slc, o_win), gates)]
+    else:
+        d_g = [g.new_empty(0) for g in gates]
+    return (*d_o, *d_g)
+
+
 def nsa(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor, *,
         block_len: int = 32, block_stride: int = 16, sel_block: int = 64, num_sel: int = 16,
         window: int = 512, scale: Optional[float] = None, cu_seqlens: Optional[Tensor] = None,

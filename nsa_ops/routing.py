@@ -24,7 +24,7 @@ import torch
 from . import env
 
 PREFILL_OPS = ("compressed_attention", "select_blocks", "selection_attention",
-               "sliding_window_attention")
+               "sliding_window_attention", "gate_combine")
 # decode: NSA of the newest token(s) over an NSACache (nsa_ops.decode), not a torch op
 OPS = PREFILL_OPS + ("decode",)
 
@@ -238,6 +238,12 @@ TABLE: tuple[Route, ...] = (
           (("backend", "triton"),)),
     Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",
           f"{_REF}:sliding_window_attention_backward", _always),
+    # eager only: under torch.compile nsa_attention leaves the gate to Inductor, which fuses it
+    Route("gate_combine", "triton", "nsa_ops.kernels.gate:gate_combine_fwd",
+          "nsa_ops.kernels.gate:gate_combine_bwd",
+          _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32)),
+    Route("gate_combine", "reference", f"{_REF}:gate_combine", f"{_REF}:gate_combine_backward",
+          _always),
     Route("decode", "triton", "nsa_ops.kernels.decode:decode_attention_fwd", None,
           _first(_triton, _decode_kernel_serves)),
     Route("decode", "reference", "nsa_ops.decode:decode_reference", None, _always),

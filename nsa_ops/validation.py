@@ -216,3 +216,17 @@ def sliding_window_attention_args(q, k, v, window, scale, cu_seqlens):
     check_block_params(window=window)
     check_scale(scale)
     check_cu_seqlens(cu_seqlens, q)
+
+
+def gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win):
+    check_tensor("o_cmp", o_cmp, 4, "[B, T, HQ, Dv]")
+    check_float("o_cmp", o_cmp)
+    for name, o in (("o_slc", o_slc), ("o_win", o_win)):
+        check_tensor(name, o, 4, "[B, T, HQ, Dv]")
+        if tuple(o.shape) != tuple(o_cmp.shape):
+            _fail(f"{name} must have the shape of o_cmp {tuple(o_cmp.shape)}, got "
+                  f"{tuple(o.shape)}")
+        check_float(name, o)
+        check_device(name, o, o_cmp, "o_cmp")
+    for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_win", g_win)):
+        check_gate(name, g, o_cmp)

@@ -115,3 +115,34 @@ def test_grads_when_one_output_is_unused(op, used):
                                                        dlse, *rest)
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _gate_args(B, T, HQ, Dv, dtype, gate_requires_grad=True):
+    gen = torch.Generator().manual_seed(B * 10 + T)
+    o = [torch.randn(B, T, HQ, Dv, generator=gen, dtype=dtype).requires_grad_() for _ in range(3)]
+    g = [torch.rand(B, T, HQ, generator=gen, dtype=dtype).requires_grad_(gate_requires_grad)
+         for _ in range(3)]
+    return (*o, *g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,T,HQ,Dv", [(1, 45, 4, 8), (2, 7, 2, 16)])
+def test_opcheck_gate_combine(B, T, HQ, Dv, dtype):
+    opcheck(torch.ops.nsa.gate_combine.default, _gate_args(B, T, HQ, Dv, dtype))
+    opcheck(torch.ops.nsa.gate_combine.default, _gate_args(B, T, HQ, Dv, dtype, False))
+    args = [a.detach() for a in _gate_args(B, T, HQ, Dv, dtype)]
+    do = torch.randn(B, T, HQ, Dv, dtype=dtype)
+    for gate_grads in (True, False):
+        opcheck(torch.ops.nsa.gate_combine_backward.default, (do, *args, gate_grads))
+
+
+def test_gradcheck_gate_combine():
+    assert torch.autograd.gradcheck(torch.ops.nsa.gate_combine, _gate_args(2, 5, 3, 4, torch.float64))
+
+
+def test_gate_combine_validates():
+    o_cmp, o_slc, o_win, g_cmp, g_slc, g_win = _gate_args(1, 5, 2, 4, torch.float32)
+    with pytest.raises(ValueError, match="o_win must have the shape of o_cmp"):
+        torch.ops.nsa.gate_combine(o_cmp, o_slc, o_win[:, :4], g_cmp, g_slc, g_win)
+    with pytest.raises(ValueError, match=r"g_slc must have shape \[B, T, HQ\]"):
+        torch.ops.nsa.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc[:, :, :1], g_win)

@@ -36,13 +36,16 @@ def test_unequal_head_dims_route_window_to_triton(monkeypatch):
     assert "Dk == Dv" in reasons["aten_fa2"]
 
 
-@pytest.mark.parametrize("x,why", [
-    (Inputs("cuda", (7, 5), torch.float16, 64, 64, 4096), "sm80+"),
-    (Inputs("cuda", (9, 0), torch.float64, 64, 64, 4096), "float64"),
-    (Inputs("cuda", (9, 0), BF16, 512, 512, 4096), "head dims must be <= 256"),
+@pytest.mark.parametrize("x,why,gate", [
+    (Inputs("cuda", (7, 5), torch.float16, 64, 64, 4096), "sm80+", "reference"),
+    (Inputs("cuda", (9, 0), torch.float64, 64, 64, 4096), "float64", "reference"),
+    # the gate kernel streams rows of any width
+    (Inputs("cuda", (9, 0), BF16, 512, 512, 4096), "head dims must be <= 256", "triton"),
 ])
-def test_refusals_fall_back_to_reference(x, why):
-    assert set(chosen(x).values()) == {"reference"}
+def test_refusals_fall_back_to_reference(x, why, gate):
+    impls = chosen(x)
+    assert impls.pop("gate_combine") == gate
+    assert set(impls.values()) == {"reference"}
     assert why in dict(routing.explain("selection_attention", x))["triton"]
 
 

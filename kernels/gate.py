@@ -1,0 +1,118 @@
+"""The gated combine of the three branches (NSA-SPEC "Gate") as one Triton kernel each way.
+
+o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win, gates [B,T,HQ] broadcast over Dv. The oracle is
+`nsa_ops.reference.gate_combine` / `gate_combine_backward`. Eagerly, the torch expression runs five
+kernels (three broadcasting multiplies, two adds) and writes four intermediates; at 64k tokens
+that is ~5 ms of the NSA forward on an H100. One pass reads the branch outputs once, sums in
+fp32 and writes o; the backward writes the three branch grads and, when the gates need grads,
+their row sums of dO * o in the same pass. Under torch.compile Inductor fuses the expression
+itself (into the selection template's epilogue), so nsa_attention uses these only eagerly.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Rows (tokens x heads) per program: 32 rows of 128 values is 8 KB per input, enough loads in
+# flight to stream at HBM speed.
+BLOCK_BYTES = 8192
+
+
+@triton.jit
+def _tile(ptr, rows, rmask, DV: tl.constexpr, DVP: tl.constexpr):
+    cols = tl.arange(0, DVP)
+    mask = rmask[:, None] & (cols[None, :] < DV)
+    return tl.load(ptr + rows[:, None] * DV + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store(ptr, rows, rmask, x, DV: tl.constexpr, DVP: tl.constexpr):
+    cols = tl.arange(0, DVP)
+    mask = rmask[:, None] & (cols[None, :] < DV)
+    tl.store(ptr + rows[:, None] * DV + cols[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate(ptr, rows, rmask, stride):
+    return tl.load(ptr + rows * stride, mask=rmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fwd_kernel(OC, OS, OW, GC, GS, GW, O, R, sgc, sgs, sgw,
+                DV: tl.constexpr, DVP: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    acc = _gate(GC, rows, rmask, sgc)[:, None] * _tile(OC, rows, rmask, DV, DVP)
+    acc += _gate(GS, rows, rmask, sgs)[:, None] * _tile(OS, rows, rmask, DV, DVP)
+    acc += _gate(GW, rows, rmask, sgw)[:, None] * _tile(OW, rows, rmask, DV, DVP)
+    _store(O, rows, rmask, acc, DV, DVP)
+
+
+@triton.jit
+def _bwd_kernel(DO, OC, OS, OW, GC, GS, GW, DOC, DOS, DOW, DGC, DGS, DGW, R, sgc, sgs, sgw,
+                DV: tl.constexpr, DVP: tl.constexpr, BLOCK_R: tl.constexpr,
+                GATE_GRADS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    do = _tile(DO, rows, rmask, DV, DVP)
+    _store(DOC, rows, rmask, _gate(GC, rows, rmask, sgc)[:, None] * do, DV, DVP)
+    _store(DOS, rows, rmask, _gate(GS, rows, rmask, sgs)[:, None] * do, DV, DVP)
+    _store(DOW, rows, rmask, _gate(GW, rows, rmask, sgw)[:, None] * do, DV, DVP)
+    if GATE_GRADS:
+        tl.store(DGC + rows, tl.sum(do * _tile(OC, rows, rmask, DV, DVP), axis=1), mask=rmask)
+        tl.store(DGS + rows, tl.sum(do * _tile(OS, rows, rmask, DV, DVP), axis=1), mask=rmask)
+        tl.store(DGW + rows, tl.sum(do * _tile(OW, rows, rmask, DV, DVP), axis=1), mask=rmask)
+
+
+def _launch(o: Tensor) -> tuple[int, dict]:
+    """(programs, constexprs) for outputs shaped like o."""
+    rows, dv = o.numel() // o.shape[-1], o.shape[-1]
+    dvp = triton.next_power_of_2(dv)
+    block_r = max(1, min(128, BLOCK_BYTES // (dvp * o.element_size())))
+    return triton.cdiv(rows, block_r), dict(DV=dv, DVP=dvp, BLOCK_R=block_r)
+
+
+def _gate_rows(g: Tensor) -> tuple[Tensor, int]:
+    """g [B,T,HQ] as (tensor, row stride) over its B*T*HQ rows: the module's gates are strided
+    slices of one [B,T,HQ,3] tensor, which flatten to a view with stride 3, not a copy."""
+    flat = g.reshape(-1)
+    return flat, flat.stride(0) if flat.numel() > 1 else 1
+
+
+def gate_combine_fwd(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor, g_slc: Tensor,
+                     g_win: Tensor) -> Tensor:
+    """o [B,T,HQ,Dv] in the dtype the torch expression would give (fp32 sums, one rounding)."""
+    dtype = o_cmp.dtype
+    for x in (o_slc, o_win, g_cmp, g_slc, g_win):
+        dtype = torch.promote_types(dtype, x.dtype)
+    out = torch.empty(o_cmp.shape, dtype=dtype, device=o_cmp.device)
+    if out.numel() == 0:
+        return out
+    branches = [x.contiguous() for x in (o_cmp, o_slc, o_win)]
+    (gc, sgc), (gs, sgs), (gw, sgw) = (_gate_rows(g) for g in (g_cmp, g_slc, g_win))
+    programs, meta = _launch(out)
+    _fwd_kernel[(programs,)](*branches, gc, gs, gw, out, out.numel() // out.shape[-1],
+                             sgc, sgs, sgw, **meta)
+    return out
+
+
+def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor,
+                     g_slc: Tensor, g_win: Tensor, gate_grads: bool
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); the gate grads are empty [0]
+    tensors unless gate_grads."""
+    branches = [x.contiguous() for x in (o_cmp, o_slc, o_win)]
+    d_o = [torch.empty_like(x) for x in branches]
+    gates = (g_cmp, g_slc, g_win)
+    d_g = [torch.empty(g.shape if gate_grads else (0,), dtype=torch.float32, device=g.device)
+           for g in gates]
+    if do.numel() == 0:
+        return (*d_o, *(x.to(g.dtype) for x, g in zip(d_g, gates)))
+    (gc, sgc), (gs, sgs), (gw, sgw) = (_gate_rows(g) for g in gates)
+    programs, meta = _launch(do)
+    _bwd_kernel[(programs,)](do.contiguous(), *branches, gc, gs, gw, *d_o, *d_g,
+                             do.numel() // do.shape[-1], sgc, sgs, sgw,
+                             GATE_GRADS=gate_grads, **meta)
+    return (*d_o, *(x.to(g.dtype) for x, g in zip(d_g, gates)))
