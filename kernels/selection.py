@@ -290,16 +290,21 @@ def _key_tile_size(sel_block: int, dkp: int, dvp: int) -> int:
 
 
 def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: int
-                 ) -> tuple[int, int, int]:
-    """(keys per tile BN, query rows per tile BM, num_warps) of the dk/dv kernel.
+                 ) -> tuple[int, int, int, int]:
+    """(keys per tile BN, query rows per tile BM, num_warps, num_stages) of the dk/dv kernel.
 
-    Sized from ptxas reports for sm_90 (no spills at D=128 and Dk/Dv=192/128 in 16-bit): the fp32
-    [BN, D] dk and dv accumulators live in registers, so wide heads and fp32 inputs halve BN.
+    The fp32 [BN, D] dk and dv accumulators live in registers, so wide heads and fp32 inputs
+    halve BN. Narrow 16-bit heads: measured on an H100 at T=64k, bf16, D=128, G=16, l'=64
+    (exp sweep, BN=64): BM=64 with (warps, stages) (4, 3) 15.0 ms, (4, 1) 15.3, (4, 2) 18.9,
+    (8, 1-3) 24.7-26.1; BM=128 25-61 ms. Wide heads and fp32 keep the configs sized from ptxas
+    reports (no spills), (8, 2) and (4, 2); they are unmeasured at scale.
     """
     narrow = dkp + dvp <= 256 and dtype != torch.float32
     bn = min(sel_block, 64 if narrow else 32)
     bm = max(64 if dtype != torch.float32 else 32, gp2)
-    return bn, bm, 8 if dtype != torch.float32 else 4
+    if narrow:
+        return bn, bm, 4, 3
+    return bn, bm, (8 if dtype != torch.float32 else 4), 2
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -444,7 +449,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         HAS_DLSE=dlse is not None, PREC=prec)
 
     gp2 = _pow2(G, 1)
-    bn, bm, warps = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
+    bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
     queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
     ent_tok, chunks = _key_chunks(bidx, sel_block, cu_seqlens, queries_per_chunk)
     _dkdv_kernel[(chunks.shape[0], sel_block // bn)](
@@ -452,5 +457,5 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, scale, scale * math.log2(math.e),
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, BN=bn, BM=bm, PREC=prec,
-        num_warps=warps, num_stages=2)
+        num_warps=warps, num_stages=stages)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
