@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 import nsa_ops
-from nsa_ops import reference
 from nsa_ops.results import commit, new_figure, save_figure, write_csv
 
 HQ, H, D = 64, 4, 128
@@ -40,13 +39,8 @@ def nsa_full(q, k, v, g):
 
 def nsa_fla_cfg(q, k, v, g):
     """l = d = l' = 64, n = 16, no sliding-window branch: what fla's parallel_nsa computes."""
-    scale = q.shape[-1] ** -0.5
-    k_cmp = reference.compress_mean(k, 64, 64)
-    v_cmp = reference.compress_mean(v, 64, 64)
-    o_cmp, lse = torch.ops.nsa.compressed_attention(q, k_cmp, v_cmp, 64, 64, scale)
-    idx = torch.ops.nsa.select_blocks(q, k_cmp, lse, 64, 64, 64, 16, scale)
-    o_slc, _ = torch.ops.nsa.selection_attention(q, k, v, idx, 64, scale)
-    return torch.addcmul(o_slc * g[1].unsqueeze(-1), o_cmp, g[0].unsqueeze(-1))
+    return nsa_ops.nsa_attention(q, k, v, g[0], g[1], None, block_len=64, block_stride=64,
+                                 sel_block=64, num_sel=16, window=0)
 
 
 def sdpa_causal(q, k, v, g):

@@ -1,6 +1,7 @@
 """The gated combine of the three branches (NSA-SPEC "Gate") as one Triton kernel each way.
 
-o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win, gates [B,T,HQ] broadcast over Dv. The oracle is
+o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win, gates [B,T,HQ] broadcast over Dv; o_win = g_win =
+None leaves the window branch out (nsa_attention's window=0, fla's window_size=0). The oracle is
 `nsa_ops.reference.gate_combine` / `gate_combine_backward`. Eagerly, the torch expression runs five
 kernels (three broadcasting multiplies, two adds) and writes four intermediates; at 64k tokens
 that is ~5 ms of the NSA forward on an H100. One pass reads the branch outputs once, sums in
@@ -9,6 +10,8 @@ their row sums of dO * o in the same pass. Under torch.compile Inductor fuses th
 itself (into the selection template's epilogue), so nsa_attention uses these only eagerly.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -41,29 +44,33 @@ def _gate(ptr, rows, rmask, stride):
 
 @triton.jit
 def _fwd_kernel(OC, OS, OW, GC, GS, GW, O, R, sgc, sgs, sgw,
-                DV: tl.constexpr, DVP: tl.constexpr, BLOCK_R: tl.constexpr):
+                DV: tl.constexpr, DVP: tl.constexpr, BLOCK_R: tl.constexpr, HAS_WIN: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     acc = _gate(GC, rows, rmask, sgc)[:, None] * _tile(OC, rows, rmask, DV, DVP)
     acc += _gate(GS, rows, rmask, sgs)[:, None] * _tile(OS, rows, rmask, DV, DVP)
-    acc += _gate(GW, rows, rmask, sgw)[:, None] * _tile(OW, rows, rmask, DV, DVP)
+    if HAS_WIN:
+        acc += _gate(GW, rows, rmask, sgw)[:, None] * _tile(OW, rows, rmask, DV, DVP)
     _store(O, rows, rmask, acc, DV, DVP)
 
 
 @triton.jit
 def _bwd_kernel(DO, OC, OS, OW, GC, GS, GW, DOC, DOS, DOW, DGC, DGS, DGW, R, sgc, sgs, sgw,
                 DV: tl.constexpr, DVP: tl.constexpr, BLOCK_R: tl.constexpr,
-                GATE_GRADS: tl.constexpr):
+                GATE_GRADS: tl.constexpr, HAS_WIN: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     do = _tile(DO, rows, rmask, DV, DVP)
     _store(DOC, rows, rmask, _gate(GC, rows, rmask, sgc)[:, None] * do, DV, DVP)
     _store(DOS, rows, rmask, _gate(GS, rows, rmask, sgs)[:, None] * do, DV, DVP)
-    _store(DOW, rows, rmask, _gate(GW, rows, rmask, sgw)[:, None] * do, DV, DVP)
+    if HAS_WIN:
+        _store(DOW, rows, rmask, _gate(GW, rows, rmask, sgw)[:, None] * do, DV, DVP)
     if GATE_GRADS:
         tl.store(DGC + rows, tl.sum(do * _tile(OC, rows, rmask, DV, DVP), axis=1), mask=rmask)
         tl.store(DGS + rows, tl.sum(do * _tile(OS, rows, rmask, DV, DVP), axis=1), mask=rmask)
-        tl.store(DGW + rows, tl.sum(do * _tile(OW, rows, rmask, DV, DVP), axis=1), mask=rmask)
+        if HAS_WIN:
+            tl.store(DGW + rows, tl.sum(do * _tile(OW, rows, rmask, DV, DVP), axis=1),
+                     mask=rmask)
 
 
 def _launch(o: Tensor) -> tuple[int, dict]:
@@ -81,38 +88,57 @@ def _gate_rows(g: Tensor) -> tuple[Tensor, int]:
     return flat, flat.stride(0) if flat.numel() > 1 else 1
 
 
-def gate_combine_fwd(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor, g_slc: Tensor,
-                     g_win: Tensor) -> Tensor:
+def _present(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cmp: Tensor,
+             g_slc: Tensor, g_win: Optional[Tensor]) -> tuple[list, list]:
+    """(branch outputs, gates) of the branches present."""
+    if o_win is None:
+        return [o_cmp, o_slc], [g_cmp, g_slc]
+    return [o_cmp, o_slc, o_win], [g_cmp, g_slc, g_win]
+
+
+def _pointers(branches: list, gates: list) -> tuple[list, list]:
+    """Contiguous branch outputs and (gate, row stride) pairs, three each: an absent window
+    branch passes the compressed branch's, which HAS_WIN=False never reads."""
+    outs = [x.contiguous() for x in branches]
+    rows = [_gate_rows(g) for g in gates]
+    return outs + outs[:3 - len(outs)], rows + rows[:3 - len(rows)]
+
+
+def gate_combine_fwd(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cmp: Tensor,
+                     g_slc: Tensor, g_win: Optional[Tensor]) -> Tensor:
     """o [B,T,HQ,Dv] in the dtype the torch expression would give (fp32 sums, one rounding)."""
+    branches, gates = _present(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
     dtype = o_cmp.dtype
-    for x in (o_slc, o_win, g_cmp, g_slc, g_win):
+    for x in branches + gates:
         dtype = torch.promote_types(dtype, x.dtype)
     out = torch.empty(o_cmp.shape, dtype=dtype, device=o_cmp.device)
     if out.numel() == 0:
         return out
-    branches = [x.contiguous() for x in (o_cmp, o_slc, o_win)]
-    (gc, sgc), (gs, sgs), (gw, sgw) = (_gate_rows(g) for g in (g_cmp, g_slc, g_win))
+    outs, rows = _pointers(branches, gates)
     programs, meta = _launch(out)
-    _fwd_kernel[(programs,)](*branches, gc, gs, gw, out, out.numel() // out.shape[-1],
-                             sgc, sgs, sgw, **meta)
+    _fwd_kernel[(programs,)](*outs, *(g for g, _ in rows), out, out.numel() // out.shape[-1],
+                             *(s for _, s in rows), HAS_WIN=o_win is not None, **meta)
     return out
 
 
-def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor,
-                     g_slc: Tensor, g_win: Tensor, gate_grads: bool
+def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
+                     g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); the gate grads are empty [0]
-    tensors unless gate_grads."""
-    branches = [x.contiguous() for x in (o_cmp, o_slc, o_win)]
-    d_o = [torch.empty_like(x) for x in branches]
-    gates = (g_cmp, g_slc, g_win)
+    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads
+    and, unless gate_grads, the gate grads are empty [0] tensors."""
+    branches, gates = _present(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    d_o = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in branches]
     d_g = [torch.empty(g.shape if gate_grads else (0,), dtype=torch.float32, device=g.device)
            for g in gates]
-    if do.numel() == 0:
-        return (*d_o, *(x.to(g.dtype) for x, g in zip(d_g, gates)))
-    (gc, sgc), (gs, sgs), (gw, sgw) = (_gate_rows(g) for g in gates)
-    programs, meta = _launch(do)
-    _bwd_kernel[(programs,)](do.contiguous(), *branches, gc, gs, gw, *d_o, *d_g,
-                             do.numel() // do.shape[-1], sgc, sgs, sgw,
-                             GATE_GRADS=gate_grads, **meta)
-    return (*d_o, *(x.to(g.dtype) for x, g in zip(d_g, gates)))
+    if do.numel() > 0:
+        outs, rows = _pointers(branches, gates)
+        programs, meta = _launch(do)
+        _bwd_kernel[(programs,)](do.contiguous(), *outs, *(g for g, _ in rows),
+                                 *(d_o + d_o[:3 - len(d_o)]), *(d_g + d_g[:3 - len(d_g)]),
+                                 do.numel() // do.shape[-1], *(s for _, s in rows),
+                                 GATE_GRADS=gate_grads, HAS_WIN=o_win is not None, **meta)
+    d_g = [x.to(g.dtype) for x, g in zip(d_g, gates)]
+    if o_win is None:
+        d_o.append(do.new_empty(0))
+        d_g.append(do.new_empty(0))
+    return (*d_o, *d_g)

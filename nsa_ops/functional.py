@@ -30,7 +30,8 @@ def _resolve_phi(phi) -> tuple[Phi, Phi]:
     raise ValueError(f'phi must be "mean", a callable or a (phi_k, phi_v) pair, got {phi!r}')
 
 
-def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor, *,
+def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
+                  g_win: Optional[Tensor], *,
                   block_len: int = 32, block_stride: int = 16, sel_block: int = 64,
                   num_sel: int = 16, window: int = 512,
                   phi: Union[str, Phi, tuple[Phi, Phi]] = "mean", scale: Optional[float] = None,
@@ -40,12 +41,18 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     q [B,T,HQ,Dk], k [B,T,H,Dk], v [B,T,H,Dv], gates [B,T,HQ] (already activated). Varlen: B == 1
     and cu_seqlens int32 [N+1] (compressing varlen input reads cu_seqlens on the host once).
     block_idx [B,T,H,num_sel] overrides the learned selection (e.g. to reuse it across layers).
+    window=0 leaves the sliding-window branch out, like fla's window_size=0 (the spec's empty
+    window would give o_win = 0); g_win may then be None.
     """
     check.check_qkv(q, k, v)
     check.check_same_length(q, k)
+    check.check_block_params(block_len, block_stride, sel_block, num_sel)
+    check.check_window(window)
+    if not window:
+        g_win = None  # no window branch: its gate has nothing to weigh
     for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_win", g_win)):
-        check.check_gate(name, g, q)
-    check.check_block_params(block_len, block_stride, sel_block, num_sel, window)
+        if g is not None:
+            check.check_gate(name, g, q)
     check.check_cu_seqlens(cu_seqlens, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     check.check_scale(scale)
@@ -59,7 +66,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
         block_idx = ops.select_blocks(q, k_cmp, lse_cmp, block_len, block_stride, sel_block,
                                       num_sel, scale, cu_seqlens)
     o_slc, _ = ops.selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens)
-    o_win, _ = ops.sliding_window_attention(q, k, v, window, scale, cu_seqlens)
+    o_win = ops.sliding_window_attention(q, k, v, window, scale, cu_seqlens)[0] if window else None
     if torch.compiler.is_compiling():
         # Inductor fuses the expression, into the selection template's epilogue where it can;
         # the op would be an opaque call

@@ -237,16 +237,29 @@ sliding_window_attention.register_autograd(_backward_window, setup_context=_setu
 
 # ---- gated combine of the branches -------------------------------------------------------------
 
-def _gate_route(o_cmp: Tensor, *others: Tensor) -> routing.Route:
-    dtype = o_cmp.dtype
-    for x in others:
+def _present(*tensors: Optional[Tensor]) -> list[Tensor]:
+    return [t for t in tensors if t is not None]
+
+
+def _gate_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    """The dtype of the torch expression g_cmp*o_cmp + ...: every input's, promoted."""
+    present = _present(*tensors)
+    dtype = present[0].dtype
+    for x in present[1:]:
         dtype = torch.promote_types(dtype, x.dtype)
-    return routing.choose("gate_combine", dataclasses.replace(Inputs.of(o_cmp, o_cmp), dtype=dtype))
+    return dtype
+
+
+def _gate_route(*inputs: Optional[Tensor]) -> routing.Route:
+    o_cmp = inputs[0]
+    x = dataclasses.replace(Inputs.of(o_cmp, o_cmp), dtype=_gate_dtype(*inputs))
+    return routing.choose("gate_combine", x)
 
 
 @custom_op("nsa::gate_combine", mutates_args=(), device_types=_DEVICES)
-def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor, g_slc: Tensor,
-                 g_win: Tensor) -> Tensor:
+def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cmp: Tensor,
+                 g_slc: Tensor, g_win: Optional[Tensor]) -> Tensor:
+    """g_cmp*o_cmp + g_slc*o_slc + g_win*o_win; o_win = g_win = None: no window branch."""
     check.gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
     route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
     return _call(route.forward, route, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
@@ -255,24 +268,26 @@ def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor, g_s
 @gate_combine.register_fake
 def _(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win):
     check.gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
-    dtype = o_cmp.dtype
-    for x in (o_slc, o_win, g_cmp, g_slc, g_win):
-        dtype = torch.promote_types(dtype, x.dtype)
-    return o_cmp.new_empty(o_cmp.shape, dtype=dtype)
+    return o_cmp.new_empty(o_cmp.shape, dtype=_gate_dtype(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win))
 
 
 @custom_op("nsa::gate_combine_backward", mutates_args=(), device_types=_DEVICES)
-def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor,
-                          g_slc: Tensor, g_win: Tensor, gate_grads: bool
+def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
+                          g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads
+    and, unless gate_grads, the gate grads are empty [0] tensors."""
     route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
     return _call(route.backward, route, do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads)
 
 
 @gate_combine_backward.register_fake
 def _(do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads):
-    return (*_fake_grads(o_cmp, o_slc, o_win),
-            *(g.new_empty(g.shape if gate_grads else (0,)) for g in (g_cmp, g_slc, g_win)))
+    d_o = [torch.empty_like(o) if o is not None else do.new_empty(0)
+           for o in (o_cmp, o_slc, o_win)]
+    d_g = [g.new_empty(g.shape if gate_grads else (0,)) if g is not None else do.new_empty(0)
+           for g in (g_cmp, g_slc, g_win)]
+    return (*d_o, *d_g)
 
 
 def _setup_gate(ctx, inputs, output):
@@ -282,9 +297,8 @@ def _setup_gate(ctx, inputs, output):
 
 def _backward_gate(ctx, do):
     grads = gate_combine_backward(do, *ctx.saved_tensors, ctx.gate_grads)
-    d_o, d_g = grads[:3], grads[3:]
-    return (*(d if need else None for d, need in zip(d_o, ctx.needs_input_grad[:3])),
-            *(d if need else None for d, need in zip(d_g, ctx.needs_input_grad[3:])))
+    return tuple(d if need else None for d, need in zip(grads[:3] + grads[3:],
+                                                        ctx.needs_input_grad))
 
 
 gate_combine.register_autograd(_backward_gate, setup_context=_setup_gate)

@@ -379,24 +379,28 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
 # Gate and the full NSA forward
 # --------------------------------------------------------------------------------------------
 
-def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor, g_slc: Tensor,
-                 g_win: Tensor) -> Tensor:
-    """o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win with gates [B,T,HQ] broadcast over Dv."""
-    return (g_cmp.unsqueeze(-1) * o_cmp + g_slc.unsqueeze(-1) * o_slc
-            + g_win.unsqueeze(-1) * o_win)
+def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cmp: Tensor,
+                 g_slc: Tensor, g_win: Optional[Tensor]) -> Tensor:
+    """o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win with gates [B,T,HQ] broadcast over Dv.
+    o_win = g_win = None: no sliding-window branch (nsa_attention's window=0)."""
+    o = g_cmp.unsqueeze(-1) * o_cmp + g_slc.unsqueeze(-1) * o_slc
+    return o if o_win is None else o + g_win.unsqueeze(-1) * o_win
 
 
-def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, g_cmp: Tensor,
-                          g_slc: Tensor, g_win: Tensor, gate_grads: bool) -> tuple[Tensor, ...]:
-    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win) in the inputs' dtypes; the gate
-    grads are empty [0] tensors unless gate_grads (a caller whose gates need no grad skips
-    reading the branch outputs)."""
-    gates = (g_cmp, g_slc, g_win)
-    d_o = [(g.unsqueeze(-1) * do).to(o.dtype) for g, o in zip(gates, (o_cmp, o_slc, o_win))]
-    if gate_grads:
-        d_g = [(do * o).sum(-1).to(g.dtype) for o, g in zip((o_cmp, o_slc, o_win), gates)]
-    else:
-        d_g = [g.new_empty(0) for g in gates]
+def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
+                          g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor],
+                          gate_grads: bool) -> tuple[Tensor, ...]:
+    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win) in the inputs' dtypes; an absent
+    window branch's grads, and the gate grads unless gate_grads (a caller whose gates need no
+    grad skips reading the branch outputs), are empty [0] tensors."""
+    d_o, d_g = [], []
+    for o, g in ((o_cmp, g_cmp), (o_slc, g_slc), (o_win, g_win)):
+        if o is None:
+            d_o.append(do.new_empty(0))
+            d_g.append(do.new_empty(0))
+            continue
+        d_o.append((g.unsqueeze(-1) * do).to(o.dtype))
+        d_g.append((do * o).sum(-1).to(g.dtype) if gate_grads else g.new_empty(0))
     return (*d_o, *d_g)
 
 
@@ -404,7 +408,8 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor, g_win: Te
         block_len: int = 32, block_stride: int = 16, sel_block: int = 64, num_sel: int = 16,
         window: int = 512, scale: Optional[float] = None, cu_seqlens: Optional[Tensor] = None,
         block_idx: Optional[Tensor] = None) -> Tensor:
-    """Whole NSA (phi = mean) in reference arithmetic; the oracle for `nsa_ops.nsa_attention`."""
+    """Whole NSA (phi = mean) in reference arithmetic; the oracle for `nsa_ops.nsa_attention`.
+    window=0: no sliding-window branch (g_win unused)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     k_cmp = compress_mean(k, block_len, block_stride, cu_seqlens)
     v_cmp = compress_mean(v, block_len, block_stride, cu_seqlens)
@@ -413,8 +418,8 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor, g_win: Te
         block_idx = select_blocks(q, k_cmp, lse_cmp, block_len, block_stride, sel_block, num_sel,
                                   scale, cu_seqlens)
     o_slc, _ = selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens)
-    o_win, _ = sliding_window_attention(q, k, v, window, scale, cu_seqlens)
-    return gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    o_win = sliding_window_attention(q, k, v, window, scale, cu_seqlens)[0] if window else None
+    return gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win if window else None)
 
 
 def full_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,

@@ -221,7 +221,12 @@ def sliding_window_attention_args(q, k, v, window, scale, cu_seqlens):
 def gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win):
     check_tensor("o_cmp", o_cmp, 4, "[B, T, HQ, Dv]")
     check_float("o_cmp", o_cmp)
+    if (o_win is None) != (g_win is None):
+        _fail("o_win and g_win must both be tensors, or both None (no window branch), got "
+              f"o_win {type(o_win).__name__} and g_win {type(g_win).__name__}")
     for name, o in (("o_slc", o_slc), ("o_win", o_win)):
+        if o is None and name == "o_win":
+            continue
         check_tensor(name, o, 4, "[B, T, HQ, Dv]")
         if tuple(o.shape) != tuple(o_cmp.shape):
             _fail(f"{name} must have the shape of o_cmp {tuple(o_cmp.shape)}, got "
@@ -229,4 +234,11 @@ def gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win):
         check_float(name, o)
         check_device(name, o, o_cmp, "o_cmp")
     for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_win", g_win)):
-        check_gate(name, g, o_cmp)
+        if g is not None or name != "g_win":
+            check_gate(name, g, o_cmp)
+
+
+def check_window(window) -> None:
+    """nsa_attention's window: a positive int, or 0 for no sliding-window branch."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        _fail(f"window must be a positive int, or 0 for no sliding-window branch, got {window!r}")

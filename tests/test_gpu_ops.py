@@ -48,9 +48,8 @@ def test_matches_fla_naive_nsa():
     T, HQ, H, D = 300, 16, 1, 64
     q, k, v = qkv(1, T, HQ, H, D, D, torch.float32, seed=4, device="cuda")
     g = [x.cuda() for x in gates(1, T, HQ)]
-    zero = torch.zeros_like(g[2])
-    ours = nsa_ops.nsa_attention(q, k, v, g[0], g[1], zero, block_len=64, block_stride=64,
-                                 sel_block=64, num_sel=4, window=1)
+    ours = nsa_ops.nsa_attention(q, k, v, g[0], g[1], None, block_len=64, block_stride=64,
+                                 sel_block=64, num_sel=4, window=0)
     theirs = fla_naive.naive_nsa(q, k, v, g[0], g[1], None, block_counts=4, block_size=64,
                                  window_size=0)
     assert rel_err(ours, theirs) < 1e-4

@@ -69,3 +69,17 @@ def test_gate_kernel_mixed_dtypes_promote(poisoned_empty):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gate_kernels_cuda(poisoned_empty, dtype, B, T, HQ, Dv, strided, gate_grads):
     _check("cuda", dtype, dtype, B, T, HQ, Dv, strided, gate_grads)
+
+
+@pytest.mark.parametrize("gate_grads", [True, False])
+def test_gate_kernels_without_window_branch(poisoned_empty, gate_grads):
+    o, g = _inputs(2, 11, 4, 16, torch.float32, torch.float32, "cpu", True, seed=3)
+    o[2] = g[2] = None
+    want = R.gate_combine(*o, *g)
+    assert rel_err(gate.gate_combine_fwd(*o, *g), want) < TOL[torch.float32]
+    do = torch.randn_like(want)
+    got = gate.gate_combine_bwd(do, *o, *g, gate_grads)
+    for got_d, want_d in zip(got, R.gate_combine_backward(do, *o, *g, gate_grads)):
+        assert got_d.shape == want_d.shape and got_d.dtype == want_d.dtype
+        if want_d.numel():
+            assert rel_err(got_d, want_d) < TOL[torch.float32]

@@ -136,8 +136,20 @@ def test_opcheck_gate_combine(B, T, HQ, Dv, dtype):
         opcheck(torch.ops.nsa.gate_combine_backward.default, (do, *args, gate_grads))
 
 
-def test_gradcheck_gate_combine():
-    assert torch.autograd.gradcheck(torch.ops.nsa.gate_combine, _gate_args(2, 5, 3, 4, torch.float64))
+def test_opcheck_gate_combine_without_window_branch():
+    o_cmp, o_slc, _, g_cmp, g_slc, _ = _gate_args(1, 9, 2, 8, torch.float32)
+    opcheck(torch.ops.nsa.gate_combine.default, (o_cmp, o_slc, None, g_cmp, g_slc, None))
+    do = torch.randn_like(o_cmp)
+    opcheck(torch.ops.nsa.gate_combine_backward.default,
+            (do, o_cmp.detach(), o_slc.detach(), None, g_cmp.detach(), g_slc.detach(), None, True))
+
+
+@pytest.mark.parametrize("window_branch", [True, False])
+def test_gradcheck_gate_combine(window_branch):
+    args = list(_gate_args(2, 5, 3, 4, torch.float64))
+    if not window_branch:
+        args[2] = args[5] = None
+    assert torch.autograd.gradcheck(torch.ops.nsa.gate_combine, tuple(args))
 
 
 def test_gate_combine_validates():
@@ -146,3 +158,5 @@ def test_gate_combine_validates():
         torch.ops.nsa.gate_combine(o_cmp, o_slc, o_win[:, :4], g_cmp, g_slc, g_win)
     with pytest.raises(ValueError, match=r"g_slc must have shape \[B, T, HQ\]"):
         torch.ops.nsa.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc[:, :, :1], g_win)
+    with pytest.raises(ValueError, match="o_win and g_win must both be tensors, or both None"):
+        torch.ops.nsa.gate_combine(o_cmp, o_slc, None, g_cmp, g_slc, g_win)

@@ -185,6 +185,31 @@ def test_nsa_attention_matches_reference_and_backprops(dtype):
         assert t.grad is not None and bool(torch.isfinite(t.grad).all()) and t.grad.abs().sum() > 0
 
 
+def test_window_zero_leaves_the_window_branch_out():
+    """window=0 (fla's window_size=0): o = g_cmp*o_cmp + g_slc*o_slc; g_win may be None."""
+    q, k, v = qkv(1, 70, 4, 2, 16, 16, torch.float64, seed=11, requires_grad=True)
+    g_cmp, g_slc, g_win = gates(1, 70, 4, torch.float64)
+    cfg = dict(SMALL, window=0)
+    o = nsa_ops.nsa_attention(q, k, v, g_cmp, g_slc, None, **cfg)
+    scale = q.shape[-1] ** -0.5
+    k_cmp, v_cmp = compressed(k, v, SMALL)
+    L, D = SMALL["block_len"], SMALL["block_stride"]
+    o_cmp, lse = torch.ops.nsa.compressed_attention(q, k_cmp, v_cmp, L, D, scale)
+    idx = torch.ops.nsa.select_blocks(q, k_cmp, lse, L, D, SMALL["sel_block"], SMALL["num_sel"],
+                                      scale)
+    o_slc, _ = torch.ops.nsa.selection_attention(q, k, v, idx, SMALL["sel_block"], scale)
+    want = g_cmp.unsqueeze(-1) * o_cmp + g_slc.unsqueeze(-1) * o_slc
+    torch.testing.assert_close(o, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(nsa_ops.nsa_attention(q, k, v, g_cmp, g_slc, g_win, **cfg), o)
+    torch.testing.assert_close(R.nsa(q, k, v, g_cmp, g_slc, g_win, **cfg), o)
+    grads = torch.autograd.grad(o.sum(), (q, k, v))
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="window must be a positive int, or 0"):
+        nsa_ops.nsa_attention(q, k, v, g_cmp, g_slc, g_win, **dict(SMALL, window=-1))
+
+
 def test_phi_mlp_starts_as_mean_and_learns():
     q, k, v = qkv(1, 64, 4, 2, 16, 16, seed=9)
     g = gates(1, 64, 4)

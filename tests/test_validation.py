@@ -175,5 +175,7 @@ def test_nsa_attention_gates_and_phi(x):
         nsa_ops.nsa_attention(x["q"], x["k"], x["v"], g[0], g[1][:, :, :2], g[2], **SMALL)
     with pytest.raises(ValueError, match=r'phi="mlp" has learnable weights'):
         nsa_ops.nsa_attention(x["q"], x["k"], x["v"], *g, phi="mlp", **SMALL)
-    with pytest.raises(ValueError, match=r"window must be a positive int"):
-        nsa_ops.nsa_attention(x["q"], x["k"], x["v"], *g, **{**SMALL, "window": 0})
+    with pytest.raises(ValueError, match=r"window must be a positive int, or 0"):
+        nsa_ops.nsa_attention(x["q"], x["k"], x["v"], *g, **{**SMALL, "window": -1})
+    with pytest.raises(ValueError, match=r"g_slc must be a torch.Tensor"):
+        nsa_ops.nsa_attention(x["q"], x["k"], x["v"], g[0], None, None, **{**SMALL, "window": 0})
