@@ -1,10 +1,11 @@
 """Per-kernel timings and achieved TFLOP/s at one prefill shape (B=1, HQ=64, H=4, D=128, bf16).
 
-    python bench/bench_kernels.py [--seqlen 65536] [--kernels selection window compressed select]
+    python bench/bench_kernels.py [--seqlens 65536 ...] [--kernels selection window compressed select]
 
 FLOPs count the useful work (causally visible pairs): 4*D per (query head, key) for forward,
 10*D for backward (QK^T, dP, dQ, dK, dV, i.e. 2.5x the forward). Prints a table; writes
-kernels.csv into --out.
+kernels.csv into --out. Compressed attention is timed both as the Triton kernel and through
+cuDNN (nsa_ops.compressed_sdpa), which the routing table picks from CUDNN_COMPRESSED_MIN_ROWS on.
 """
 from __future__ import annotations
 
@@ -36,19 +37,26 @@ def random_selection(T, n, sel_block, device):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--seqlen", type=int, default=65536)
+    p.add_argument("--seqlens", type=int, nargs="+", default=[65536])
     p.add_argument("--kernels", nargs="+", default=["selection", "window", "compressed", "select"])
     p.add_argument("--out", default="bench/results")
     args = p.parse_args()
     print(run_header())
-    T, dev, dt = args.seqlen, "cuda", torch.bfloat16
+    rows = []
+    for T in args.seqlens:
+        bench_length(T, args.kernels, rows)
+        torch.cuda.empty_cache()
+    write_csv(Path(args.out) / "kernels.csv", rows, run_header())
+
+
+def bench_length(T: int, kernels: list[str], rows: list[dict]) -> None:
+    dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     q = torch.randn(1, T, HQ, D, device=dev, dtype=dt)
     k = torch.randn(1, T, H, D, device=dev, dtype=dt)
     v = torch.randn(1, T, H, D, device=dev, dtype=dt)
     do = torch.randn_like(q)
     scale = D ** -0.5
-    rows = []
 
     def record(name, fwd, bwd, pairs):
         t_f = median_ms(fwd)
@@ -57,10 +65,10 @@ def main():
         tf_b = 10 * D * pairs / t_b / 1e9 if bwd else float("nan")
         rows.append(dict(kernel=name, T=T, fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=tf_f,
                          bwd_tflops=tf_b))
-        print(f"{name:22s} fwd {t_f:8.2f} ms {tf_f:6.0f} TFLOP/s | bwd {t_b:8.2f} ms "
+        print(f"{name:24s} T={T:6d} fwd {t_f:8.2f} ms {tf_f:6.0f} TFLOP/s | bwd {t_b:8.2f} ms "
               f"{tf_b:6.0f} TFLOP/s", flush=True)
 
-    if "selection" in args.kernels:
+    if "selection" in kernels:
         from nsa_ops.kernels import selection as S
         for n, lp in ((16, 64),):
             idx = random_selection(T, n, lp, dev)
@@ -68,7 +76,7 @@ def main():
             pairs = HQ * (idx >= 0).sum().item() / H * lp  # upper bound on causal pairs
             record(f"selection n={n} l'={lp}", lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale),
                    lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale), pairs)
-    if "window" in args.kernels:
+    if "window" in kernels:
         from nsa_ops.kernels import window as W
         for backend in ("aten_fa2", "triton"):
             try:
@@ -81,23 +89,24 @@ def main():
                    lambda: W.sliding_window_fwd(q, k, v, 512, scale, backend=backend),
                    lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, 512, scale,
                                                 backend=backend), pairs)
-    if "compressed" in args.kernels or "select" in args.kernels:
+    if "compressed" in kernels or "select" in kernels:
+        from nsa_ops import compressed_sdpa as CS
         from nsa_ops.kernels import compressed as C
         for l, d, lp in ((32, 16, 64), (64, 64, 64)):
             k_cmp = reference.compress_mean(k, l, d)
             v_cmp = reference.compress_mean(v, l, d)
             o, lse = C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
             pairs = HQ * T * k_cmp.shape[1] / 2
-            if "compressed" in args.kernels:
-                record(f"compressed l={l} d={d}",
-                       lambda: C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale),
-                       lambda: C.compressed_attention_bwd(q, k_cmp, v_cmp, o, lse, do, None, l, d,
-                                                          scale), pairs)
-            if "select" in args.kernels:
+            if "compressed" in kernels:
+                for impl, K in (("triton", C), ("cudnn", CS)):
+                    record(f"compressed l={l} d={d} {impl}",
+                           lambda: K.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale),
+                           lambda: K.compressed_attention_bwd(q, k_cmp, v_cmp, o, lse, do, None,
+                                                              l, d, scale), pairs)
+            if "select" in kernels:
                 record(f"select_blocks l={l} d={d}",
                        lambda: C.select_blocks(q, k_cmp, lse, l, d, lp, 16, scale), None,
                        HQ * T * k_cmp.shape[1] / 2)
-    write_csv(Path(args.out) / "kernels.csv", rows, run_header())
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def demo(T: int = 1024, heads_q: int = 8, heads_kv: int = 2, head_dim: int = 64)
     gates = [torch.rand(1, T, heads_q, device=device, dtype=dtype) for _ in range(3)]
     do = torch.randn(1, T, heads_q, head_dim, device=device, dtype=dtype)
 
-    x = Inputs.of(q, v)
+    x = Inputs.of_compressed(q, v, cfg["block_len"], cfg["block_stride"])
     for op in routing.PREFILL_OPS:
         print(f"  torch.ops.nsa.{op:26s} runs {routing.choose(op, x).impl}")
 

@@ -25,6 +25,12 @@ def _route(op: str, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> routi
     return routing.choose(op, Inputs.of(q, v, cu_seqlens))
 
 
+def _compressed_route(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
+                      cu_seqlens: Optional[Tensor]) -> routing.Route:
+    x = Inputs.of_compressed(q, v_cmp, block_len, block_stride, cu_seqlens)
+    return routing.choose("compressed_attention", x)
+
+
 def _call(target: str, route: routing.Route, *args):
     # inputs arrive in the dtypes the caller's autocast chose; inside, the implementation's own
     # precision rules hold (float32 lse, float32 accumulation), not autocast's per-op casts
@@ -62,7 +68,7 @@ def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len: int
                          block_stride: int, scale: float,
                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     check.compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens)
-    route = _route("compressed_attention", q, v_cmp, cu_seqlens)
+    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens)
     return _call(route.forward, route, q, k_cmp, v_cmp, block_len, block_stride, scale,
                  cu_seqlens)
 
@@ -79,7 +85,7 @@ def compressed_attention_backward(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Te
                                   block_stride: int, scale: float,
                                   cu_seqlens: Optional[Tensor] = None
                                   ) -> tuple[Tensor, Tensor, Tensor]:
-    route = _route("compressed_attention", q, v_cmp, cu_seqlens)
+    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens)
     return _call(route.backward, route, q, k_cmp, v_cmp, o, lse, do, dlse, block_len,
                  block_stride, scale, cu_seqlens)
 

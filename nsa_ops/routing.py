@@ -37,6 +37,12 @@ class DecodeGeometry(NamedTuple):
     capacity: int  # tokens the cache can hold
 
 
+class CompressedGeometry(NamedTuple):
+    """What the compressed-attention routes depend on besides the tensors."""
+    block_len: int
+    block_stride: int
+
+
 @dataclass(frozen=True)
 class Inputs:
     """What routing may look at: never tensor values, so choosing costs no device sync."""
@@ -48,12 +54,19 @@ class Inputs:
     seqlen: int  # query rows per sequence: T for the prefill ops, Tq for decode
     varlen: bool = False
     decode: Optional[DecodeGeometry] = None
+    compressed: Optional[CompressedGeometry] = None
 
     @staticmethod
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> "Inputs":
         sm = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
         return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], q.shape[1],
                       cu_seqlens is not None)
+
+    @staticmethod
+    def of_compressed(q: torch.Tensor, v_cmp: torch.Tensor, block_len: int, block_stride: int,
+                      cu_seqlens=None) -> "Inputs":
+        return dataclasses.replace(Inputs.of(q, v_cmp, cu_seqlens),
+                                   compressed=CompressedGeometry(block_len, block_stride))
 
     @staticmethod
     def of_cache(q: torch.Tensor, cache) -> "Inputs":
@@ -196,6 +209,40 @@ def _selection_kernel_preferred(x: Inputs) -> Optional[str]:
     return None
 
 
+def _cudnn_compressed_serves(x: Inputs) -> Optional[str]:
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"cuDNN attention takes float16/bfloat16 only, got {x.dtype}"
+    if x.head_dim_qk != x.head_dim_v or x.head_dim_qk > 128 or x.head_dim_qk % 8:
+        return (f"needs Dk == Dv <= 128, divisible by 8 (the shapes measured), got "
+                f"Dk={x.head_dim_qk}, Dv={x.head_dim_v}")
+    if x.varlen:
+        return "varlen input: the residue views need one fixed length"
+    if x.compressed is None:
+        return "no block_len/block_stride given (use Inputs.of_compressed)"
+    l, d = x.compressed
+    if x.seqlen % d:
+        return f"T={x.seqlen} is not a multiple of block_stride d={d} (the residue views need it)"
+    if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
+        return "needs cuDNN >= 9 (torch's cuDNN attention)"
+    return None
+
+
+# Compressed attention runs through cuDNN from this many queries per residue (T / d) on, from
+# bench/bench_compressed.py on an H100 (bench/results/compressed.csv).
+CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 2048}
+
+
+def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
+    if x.sm not in CUDNN_COMPRESSED_MIN_ROWS:
+        sm = f"sm{x.sm[0]}{x.sm[1]}" if x.sm else "an unknown SM"
+        return f"measured on sm90 only, not {sm}: the Triton kernel serves it (force to override)"
+    rows, need = x.seqlen // x.compressed.block_stride, CUDNN_COMPRESSED_MIN_ROWS[x.sm]
+    if rows < need:
+        return (f"T/d = {rows} queries per residue < {need}, below which the Triton kernel is "
+                f"faster (bench/results/compressed.csv)")
+    return None
+
+
 _triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256))
 _fa2_common = _first(_needs_cuda, _needs_sm80, _half_only, _equal_head_dims, _head_dims_upto(256),
                      _head_dim_multiple_of_8)
@@ -216,6 +263,11 @@ _REF = "nsa_ops.reference"
 _WIN_FWD = "nsa_ops.kernels.window:sliding_window_fwd"
 _WIN_BWD = "nsa_ops.kernels.window:sliding_window_bwd"
 TABLE: tuple[Route, ...] = (
+    # with an lse gradient the cudnn row's backward runs the Triton backward (cuDNN has no dlse)
+    Route("compressed_attention", "cudnn", "nsa_ops.compressed_sdpa:compressed_attention_fwd",
+          "nsa_ops.compressed_sdpa:compressed_attention_bwd",
+          _first(_needs_cuda, _needs_triton, _needs_sm80, _cudnn_compressed_serves),
+          defer=_cudnn_compressed_preferred),
     Route("compressed_attention", "triton", "nsa_ops.kernels.compressed:compressed_attention_fwd",
           "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton),
     Route("compressed_attention", "reference", f"{_REF}:compressed_attention",
@@ -320,15 +372,17 @@ def describe(examples: Optional[list[Inputs]] = None) -> str:
 
 def default_examples() -> list[Inputs]:
     bf16 = torch.bfloat16
-    examples = [Inputs("cpu", None, torch.float32, 128, 128, 4096)]
+    cmp = CompressedGeometry(32, 16)  # the spec's defaults
+    examples = [Inputs("cpu", None, torch.float32, 128, 128, 4096, compressed=cmp)]
     if torch.cuda.is_available():
-        examples.append(Inputs("cuda", torch.cuda.get_device_capability(), bf16, 128, 128, 32768))
+        examples.append(Inputs("cuda", torch.cuda.get_device_capability(), bf16, 128, 128, 65536,
+                               compressed=cmp))
     spec = DecodeGeometry(32, 16, 64, 65536)
-    examples += [Inputs("cuda", (9, 0), bf16, 128, 128, 32768),
-                 Inputs("cuda", (9, 0), bf16, 128, 128, 512),
-                 Inputs("cuda", (9, 0), bf16, 192, 128, 32768),
-                 Inputs("cuda", (8, 9), bf16, 128, 128, 32768),
-                 Inputs("cuda", (7, 5), torch.float16, 128, 128, 8192),
+    examples += [Inputs("cuda", (9, 0), bf16, 128, 128, 65536, compressed=cmp),
+                 Inputs("cuda", (9, 0), bf16, 128, 128, 512, compressed=cmp),
+                 Inputs("cuda", (9, 0), bf16, 192, 128, 32768, compressed=cmp),
+                 Inputs("cuda", (8, 9), bf16, 128, 128, 32768, compressed=cmp),
+                 Inputs("cuda", (7, 5), torch.float16, 128, 128, 8192, compressed=cmp),
                  Inputs("cuda", (9, 0), bf16, 128, 128, 1, decode=spec),
                  Inputs("cuda", (9, 0), bf16, 128, 128, 4, decode=spec),
                  Inputs("cpu", None, torch.float32, 128, 128, 1, decode=spec)]

@@ -110,3 +110,35 @@ def test_short_sequences_go_to_packed_sdpa_below_the_sm_threshold(monkeypatch):
     assert "T=1023 < 1024" in dict(routing.explain("selection_attention", short))["triton"]
     assert routing.choose("selection_attention",
                           Inputs("cuda", (9, 0), BF16, 128, 128, 1024)).impl == "triton"
+
+
+@pytest.fixture
+def cudnn9(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
+
+
+@pytest.mark.parametrize("sm,T,geometry,varlen,dtype,impl,why", [
+    ((9, 0), 65536, (32, 16), False, BF16, "cudnn", None),
+    ((9, 0), 65536, (64, 64), False, BF16, "triton", "T/d = 1024 queries per residue"),
+    ((9, 0), 8192, (32, 16), False, BF16, "triton", "T/d = 512 queries per residue"),
+    ((8, 0), 65536, (32, 16), False, BF16, "triton", "measured on sm90 only"),
+    ((9, 0), 65544, (32, 16), False, BF16, "triton", "not a multiple of block_stride"),
+    ((9, 0), 65536, (32, 16), True, BF16, "triton", "varlen"),
+    ((9, 0), 65536, (32, 16), False, torch.float32, "triton", "float16/bfloat16 only"),
+    ((9, 0), 65536, None, False, BF16, "triton", "no block_len/block_stride"),
+])
+def test_compressed_attention_cudnn_rows(cudnn9, sm, T, geometry, varlen, dtype, impl, why):
+    cmp = routing.CompressedGeometry(*geometry) if geometry else None
+    x = Inputs("cuda", sm, dtype, 128, 128, T, varlen, compressed=cmp)
+    assert routing.choose("compressed_attention", x).impl == impl
+    if why:
+        assert why in dict(routing.explain("compressed_attention", x))["cudnn"]
+
+
+def test_compressed_attention_cudnn_needs_cudnn9(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8900)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    x = Inputs("cuda", (9, 0), BF16, 128, 128, 65536,
+               compressed=routing.CompressedGeometry(32, 16))
+    assert "cuDNN >= 9" in dict(routing.explain("compressed_attention", x))["cudnn"]
