@@ -11,9 +11,9 @@ residue is the batch dimension, so nothing is copied in):
 
 Queries t < l - 1 see no row: o = 0, lse = -inf. Both groups are square (rows = queries), so the
 top-left causal mask of the dense kernel is the compressed mask exactly. On an H100 cuDNN's fused
-attention runs this at about 550 TFLOP/s forward and 450 backward, against 424 / 294 for the
-Triton kernel at T = 64k, l = 32, d = 16 (bench/results/README.md). The routing table defers to
-Triton where that does not pay off (short residue sequences).
+attention runs this at 489 TFLOP/s forward and 422 backward, against 424 / 292 for the Triton
+kernel at T = 64k, l = 32, d = 16 (H200, bench/results/compressed_routing.csv). The routing table
+defers to Triton where that does not pay off (short residue sequences).
 
 cuDNN's backward has no input for an lse gradient; with a dlse the Triton backward runs instead
 (it takes any correct o and lse).

@@ -227,9 +227,12 @@ def _cudnn_compressed_serves(x: Inputs) -> Optional[str]:
     return None
 
 
-# Compressed attention runs through cuDNN from this many queries per residue (T / d) on, from
-# bench/bench_compressed.py on an H100 (bench/results/compressed.csv).
-CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 2048}
+# Compressed attention runs through cuDNN from this many queries per residue (T / d) on. Measured
+# with `bench/bench_kernels.py --seqlens 8192 16384 32768 65536 --kernels compressed` on an H200
+# (bench/results/compressed_routing.csv), bwd ms Triton vs cuDNN: at T/d = 512 Triton wins for
+# l=32, d=16 (0.96 vs 1.10) and l=d=64 (3.65 vs 3.97); at T/d = 1024 cuDNN does (2.97 vs 2.66,
+# 11.66 vs 10.27) with forwards within 1%; at 4096 (64k, l=32, d=16) 37.6 vs 26.1.
+CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 1024}
 
 
 def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
@@ -239,7 +242,7 @@ def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
     rows, need = x.seqlen // x.compressed.block_stride, CUDNN_COMPRESSED_MIN_ROWS[x.sm]
     if rows < need:
         return (f"T/d = {rows} queries per residue < {need}, below which the Triton kernel is "
-                f"faster (bench/results/compressed.csv)")
+                f"faster (bench/results/compressed_routing.csv)")
     return None
 
 
