@@ -113,6 +113,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
                              ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk_cmp, dv_cmp) in the dtypes of (q, k_cmp, v_cmp)."""
     if dlse is not None:
+        # imported here: the forward alone (inference) never needs Triton on this path
         from nsa_ops.kernels.compressed import compressed_attention_bwd as triton_bwd
         return triton_bwd(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale,
                           cu_seqlens)

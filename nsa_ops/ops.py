@@ -303,8 +303,7 @@ def _setup_gate(ctx, inputs, output):
 
 def _backward_gate(ctx, do):
     grads = gate_combine_backward(do, *ctx.saved_tensors, ctx.gate_grads)
-    return tuple(d if need else None for d, need in zip(grads[:3] + grads[3:],
-                                                        ctx.needs_input_grad))
+    return tuple(d if need else None for d, need in zip(grads, ctx.needs_input_grad))
 
 
 gate_combine.register_autograd(_backward_gate, setup_context=_setup_gate)

@@ -418,8 +418,10 @@ def nsa(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor, g_win: Te
         block_idx = select_blocks(q, k_cmp, lse_cmp, block_len, block_stride, sel_block, num_sel,
                                   scale, cu_seqlens)
     o_slc, _ = selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens)
-    o_win = sliding_window_attention(q, k, v, window, scale, cu_seqlens)[0] if window else None
-    return gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win if window else None)
+    if not window:
+        return gate_combine(o_cmp, o_slc, None, g_cmp, g_slc, None)
+    o_win, _ = sliding_window_attention(q, k, v, window, scale, cu_seqlens)
+    return gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
 
 
 def full_causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None,
