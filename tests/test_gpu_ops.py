@@ -55,10 +55,15 @@ def test_matches_fla_naive_nsa():
     assert rel_err(ours, theirs) < 1e-4
 
 
-def test_cuda_graph_capture_forward():
-    T, HQ, H, D = 2048, 16, 2, 64
+# 16384: T/d = 1024 routes compressed attention to cuDNN (nsa_ops.compressed_sdpa)
+@pytest.mark.parametrize("T", [2048, 16384])
+def test_cuda_graph_capture_forward(T):
+    HQ, H, D = 16, 2, 64
     q, k, v = qkv(1, T, HQ, H, D, D, torch.bfloat16, seed=1, device="cuda")
     g = [x.cuda() for x in gates(1, T, HQ, torch.bfloat16)]
+    if T == 16384 and torch.cuda.get_device_capability() == (9, 0):
+        x = routing.Inputs.of_compressed(q, v, 32, 16)
+        assert routing.choose("compressed_attention", x).impl == "cudnn"
     eager = nsa_ops.nsa_attention(q, k, v, *g)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
