@@ -43,10 +43,8 @@ def _residues(x: Tensor, d: int, r0: int, nres: int, m0: int, M: int) -> Tensor:
 
 
 def _residue_stats(s: Tensor, d: int, r0: int, nres: int, m0: int, M: int) -> Tensor:
-    """s [T, HQ] (one batch row of lse) as [nres, HQ, M], like `_residues`."""
-    st, sh = s.stride(0), s.stride(1)
-    return s.as_strided((nres, s.shape[1], M), (st, sh, d * st),
-                        s.storage_offset() + (m0 * d + r0) * st)
+    """s [T, HQ] (one batch row of lse) as [nres, HQ, M]: `_residues` of a unit last dim."""
+    return _residues(s.unsqueeze(-1), d, r0, nres, m0, M)[..., 0]
 
 
 def _rows(x: Tensor, nres: int, M: int) -> Tensor:

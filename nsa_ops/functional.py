@@ -48,11 +48,13 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     check.check_same_length(q, k)
     check.check_block_params(block_len, block_stride, sel_block, num_sel)
     check.check_window(window)
-    if not window:
+    gates = [("g_cmp", g_cmp), ("g_slc", g_slc)]
+    if window:
+        gates.append(("g_win", g_win))
+    else:
         g_win = None  # no window branch: its gate has nothing to weigh
-    for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_win", g_win)):
-        if g is not None:
-            check.check_gate(name, g, q)
+    for name, g in gates:
+        check.check_gate(name, g, q)
     check.check_cu_seqlens(cu_seqlens, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     check.check_scale(scale)

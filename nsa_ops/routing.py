@@ -121,16 +121,20 @@ def _head_dims_upto(limit: int) -> Refusal:
     return refuse
 
 
-def _half_only(x: Inputs) -> Optional[str]:
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        return f"FlashAttention-2 takes float16/bfloat16 only, got {x.dtype}"
-    return None
+def _half_only(kernel: str) -> Refusal:
+    def refuse(x: Inputs) -> Optional[str]:
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            return f"{kernel} takes float16/bfloat16 only, got {x.dtype}"
+        return None
+    return refuse
 
 
-def _equal_head_dims(x: Inputs) -> Optional[str]:
-    if x.head_dim_qk != x.head_dim_v:
-        return f"FlashAttention-2 needs Dk == Dv, got Dk={x.head_dim_qk}, Dv={x.head_dim_v}"
-    return None
+def _equal_head_dims(kernel: str) -> Refusal:
+    def refuse(x: Inputs) -> Optional[str]:
+        if x.head_dim_qk != x.head_dim_v:
+            return f"{kernel} needs Dk == Dv, got Dk={x.head_dim_qk}, Dv={x.head_dim_v}"
+        return None
+    return refuse
 
 
 def _importable(module: str) -> Refusal:
@@ -147,10 +151,12 @@ def _has_aten_fa2(x: Inputs) -> Optional[str]:
     return None
 
 
-def _head_dim_multiple_of_8(x: Inputs) -> Optional[str]:
-    if x.head_dim_qk % 8:
-        return f"FlashAttention-2 needs head dims divisible by 8, got {x.head_dim_qk}"
-    return None
+def _head_dim_multiple_of_8(kernel: str) -> Refusal:
+    def refuse(x: Inputs) -> Optional[str]:
+        if x.head_dim_qk % 8:
+            return f"{kernel} needs head dims divisible by 8, got {x.head_dim_qk}"
+        return None
+    return refuse
 
 
 def _always(x: Inputs) -> Optional[str]:
@@ -209,19 +215,19 @@ def _selection_kernel_preferred(x: Inputs) -> Optional[str]:
     return None
 
 
-def _cudnn_compressed_serves(x: Inputs) -> Optional[str]:
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        return f"cuDNN attention takes float16/bfloat16 only, got {x.dtype}"
-    if x.head_dim_qk != x.head_dim_v or x.head_dim_qk > 128 or x.head_dim_qk % 8:
-        return (f"needs Dk == Dv <= 128, divisible by 8 (the shapes measured), got "
-                f"Dk={x.head_dim_qk}, Dv={x.head_dim_v}")
+def _residue_views_fit(x: Inputs) -> Optional[str]:
+    """What nsa_ops.compressed_sdpa's strided views of q need."""
     if x.varlen:
         return "varlen input: the residue views need one fixed length"
     if x.compressed is None:
         return "no block_len/block_stride given (use Inputs.of_compressed)"
-    l, d = x.compressed
+    d = x.compressed.block_stride
     if x.seqlen % d:
         return f"T={x.seqlen} is not a multiple of block_stride d={d} (the residue views need it)"
+    return None
+
+
+def _has_cudnn9(x: Inputs) -> Optional[str]:
     if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
         return "needs cuDNN >= 9 (torch's cuDNN attention)"
     return None
@@ -247,8 +253,14 @@ def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
 
 
 _triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256))
-_fa2_common = _first(_needs_cuda, _needs_sm80, _half_only, _equal_head_dims, _head_dims_upto(256),
-                     _head_dim_multiple_of_8)
+_fa2_common = _first(_needs_cuda, _needs_sm80, _half_only("FlashAttention-2"),
+                     _equal_head_dims("FlashAttention-2"), _head_dims_upto(256),
+                     _head_dim_multiple_of_8("FlashAttention-2"))
+# head dims up to 128: the shapes measured
+_cudnn_compressed = _first(_needs_cuda, _needs_triton, _needs_sm80, _half_only("cuDNN attention"),
+                           _equal_head_dims("cuDNN attention"), _head_dims_upto(128),
+                           _head_dim_multiple_of_8("cuDNN attention"), _residue_views_fit,
+                           _has_cudnn9)
 
 
 @dataclass(frozen=True)
@@ -269,7 +281,7 @@ TABLE: tuple[Route, ...] = (
     # with an lse gradient the cudnn row's backward runs the Triton backward (cuDNN has no dlse)
     Route("compressed_attention", "cudnn", "nsa_ops.compressed_sdpa:compressed_attention_fwd",
           "nsa_ops.compressed_sdpa:compressed_attention_bwd",
-          _first(_needs_cuda, _needs_triton, _needs_sm80, _cudnn_compressed_serves),
+          _cudnn_compressed,
           defer=_cudnn_compressed_preferred),
     Route("compressed_attention", "triton", "nsa_ops.kernels.compressed:compressed_attention_fwd",
           "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton),

@@ -224,18 +224,20 @@ def gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win):
     if (o_win is None) != (g_win is None):
         _fail("o_win and g_win must both be tensors, or both None (no window branch), got "
               f"o_win {type(o_win).__name__} and g_win {type(g_win).__name__}")
-    for name, o in (("o_slc", o_slc), ("o_win", o_win)):
-        if o is None and name == "o_win":
-            continue
+    branches = [("o_slc", o_slc)]
+    gates = [("g_cmp", g_cmp), ("g_slc", g_slc)]
+    if o_win is not None:
+        branches.append(("o_win", o_win))
+        gates.append(("g_win", g_win))
+    for name, o in branches:
         check_tensor(name, o, 4, "[B, T, HQ, Dv]")
         if tuple(o.shape) != tuple(o_cmp.shape):
             _fail(f"{name} must have the shape of o_cmp {tuple(o_cmp.shape)}, got "
                   f"{tuple(o.shape)}")
         check_float(name, o)
         check_device(name, o, o_cmp, "o_cmp")
-    for name, g in (("g_cmp", g_cmp), ("g_slc", g_slc), ("g_win", g_win)):
-        if g is not None or name != "g_win":
-            check_gate(name, g, o_cmp)
+    for name, g in gates:
+        check_gate(name, g, o_cmp)
 
 
 def check_window(window) -> None:
