@@ -1,8 +1,9 @@
 """Selected-block attention (NSA-SPEC "Selected attention") as Triton kernels, forward and backward.
 
 Query t attends the tokens of its selected blocks (block_idx [B,T,H,n], local to the token's
-sequence, valid slots first, -1 last, no duplicates), clamped causally. The oracle is
-`nsa_ops.reference.selection_attention` / `selection_attention_backward`.
+sequence), clamped causally. A row is a set: slots may come in any order, -1 (empty) anywhere, and a
+block named twice counts once, as in `nsa_ops.reference.selection_attention` /
+`selection_attention_backward`, the oracle.
 
 Forward and dq are group-centric: one program per (query token, batch * KV head) holds the G query
 heads of the group as one [GP, D] tile (GP >= 16 so tl.dot has M >= 16) and walks the token's
@@ -19,7 +20,6 @@ atomically adds its partial dk/dv into fp32 buffers; only blocks spanning severa
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.reference import token_layout, token_starts
+from nsa_ops.reference import distinct_slots, token_layout, token_starts
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
@@ -65,35 +65,44 @@ def _lse_log2(lse):
 @triton.jit
 def _token_blocks(bidx, seq_start, b, t, h, T, N, H: tl.constexpr, NP: tl.constexpr,
                   IS_VARLEN: tl.constexpr):
-    """The token's block_idx row, its number of valid slots and its sequence's first token."""
+    """The token's block_idx row as a set, and its sequence's first token.
+
+    Returns (blocks [NP]: the slot's block, or -1 where the slot is empty or repeats an earlier
+    slot's block; the number of slots to walk, up to the last kept one; start). Callers read
+    slot s as tl.sum(where(slots == s, blocks, 0)): a register reduction, no reload of the row.
+    """
     row = bidx + ((b * T + t) * H + h) * N
     slots = tl.arange(0, NP)
     blk = tl.load(row + slots, mask=slots < N, other=-1)
-    n_valid = tl.sum((blk >= 0).to(tl.int32), axis=0)
+    repeat = tl.sum(((blk[:, None] == blk[None, :]) & (slots[None, :] < slots[:, None]))
+                    .to(tl.int32), axis=1) > 0
+    keep = (blk >= 0) & ~repeat
+    blocks = tl.where(keep, blk, -1)
+    n_walk = tl.max(tl.where(keep, slots + 1, 0), axis=0)
     if IS_VARLEN:
         start = tl.load(seq_start + t).to(tl.int64)
     else:
         start = tl.zeros([], tl.int64)
-    return row, n_valid, start
+    return blocks, n_walk, start
 
 
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 
-def _per_token_configs():
-    """Launch configs for the per-token kernels (fwd, dq); tuned per shape on first use.
-
-    Both kernels are bound by moving K/V blocks from L2, so what matters is how many loads are in
-    flight: pipeline depth and programs per SM. The interpreter ignores these, so one config there.
-    """
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({}, num_warps=4, num_stages=2)]
-    return [triton.Config({}, num_warps=w, num_stages=s)
-            for w, s in ((4, 2), (4, 3), (4, 4), (2, 3), (8, 3))]
+# (num_warps, num_stages) the per-token kernels (fwd, dq) can launch with. The Inductor template
+# autotunes over all of them. Eager calls launch the one _per_token_launch names, not an autotuned
+# pick: autotuning times the kernel on its first call, which fails inside CUDA-graph capture and
+# depends on whichever shape came first. Both kernels are bound by moving K/V blocks from L2, so
+# what matters is how many loads are in flight: pipeline depth and programs per SM.
+PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 3), (8, 3))
+_PER_TOKEN_PICK = {"fwd": (2, 3), "dq": (4, 3)}
 
 
-_PER_TOKEN_KEY = ["H", "G", "DK", "DV", "SEL", "NP"]
+def _per_token_launch(kernel: str) -> dict:
+    """Launch config of the eager forward ("fwd") or dq ("dq") kernel."""
+    num_warps, num_stages = _PER_TOKEN_PICK[kernel]
+    return dict(num_warps=num_warps, num_stages=num_stages)
 
 
 @triton.jit
@@ -113,20 +122,26 @@ def selection_fwd_rows(q, k, v, bidx, seq_start, b, t, h,
     gmask = g < G
     heads = h * G + g
     qt = _load_tile(q, b * sq_b + t * sq_t + heads * sq_h, gmask, DK, DKP)
-    row, n_valid, start = _token_blocks(bidx, seq_start, b, t, h, T, N, H, NP, IS_VARLEN)
+    blocks, n_walk, start = _token_blocks(bidx, seq_start, b, t, h, T, N, H, NP, IS_VARLEN)
+    slots = tl.arange(0, NP)
 
     # finite start for the running max: fully masked tiles then give exp2(-inf - m) = 0, no NaN
     m = tl.full([GP], -1e30, tl.float32)
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DVP], tl.float32)
-    NSUB: tl.constexpr = SEL // BN
+    NSUB: tl.constexpr = (SEL + BN - 1) // BN
     kcols = tl.arange(0, DKP)
     vcols = tl.arange(0, DVP)
-    # one flat loop over (selected block, key tile); loads are written out in the loop because
+    # one flat loop over (slot, key tile); loads are written out in the loop because
     # device-function calls cost ~10 ops each under TRITON_INTERPRET (the CPU tests)
-    for it in range(n_valid * NSUB):
-        toks = start + tl.load(row + it // NSUB) * SEL + (it % NSUB) * BN + tl.arange(0, BN)
+    for it in range(n_walk * NSUB):
+        blk = tl.sum(tl.where(slots == it // NSUB, blocks, 0), axis=0)
+        offs = (it % NSUB) * BN + tl.arange(0, BN)
+        # an empty slot (-1) points past t, so the causal mask closes it
+        toks = tl.where(blk >= 0, start + blk * SEL, t + 1) + offs
         kmask = toks <= t
+        if SEL % BN != 0:  # the block's last tile runs past its end
+            kmask = kmask & (offs < SEL)
         kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
                      mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
         vt = tl.load(v + (b * sv_b + toks * sv_t + h * sv_h)[:, None] + vcols[None, :],
@@ -146,7 +161,6 @@ def selection_fwd_rows(q, k, v, bidx, seq_start, b, t, h,
     return acc / l_safe[:, None], lse_row, heads, gmask
 
 
-@triton.autotune(configs=_per_token_configs(), key=_PER_TOKEN_KEY)
 @triton.jit
 def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
                 sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
@@ -157,8 +171,9 @@ def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
                 PREC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
+    # int64: head offsets of head-major inputs (stride T * D) pass 2**31 at long T
     b = (bh // H).to(tl.int64)
-    h = bh % H
+    h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
         q, k, v, bidx, seq_start, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
         T, N, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
@@ -166,7 +181,6 @@ def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
     tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
 
 
-@triton.autotune(configs=_per_token_configs(), key=_PER_TOKEN_KEY)
 @triton.jit
 def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
                sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
@@ -179,8 +193,9 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
     """dq of one (token, group); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass."""
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
+    # int64: head offsets of head-major inputs (stride T * D) pass 2**31 at long T
     b = (bh // H).to(tl.int64)
-    h = bh % H
+    h = (bh % H).to(tl.int64)
     g = tl.arange(0, GP)
     gmask = g < G
     heads = h * G + g
@@ -193,15 +208,20 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
         dlt -= tl.load(dlse + stat, mask=gmask, other=0.0)
     tl.store(delta + stat, dlt, mask=gmask)
     lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
-    row, n_valid, start = _token_blocks(bidx, seq_start, b, t, h, T, N, H, NP, IS_VARLEN)
+    blocks, n_walk, start = _token_blocks(bidx, seq_start, b, t, h, T, N, H, NP, IS_VARLEN)
+    slots = tl.arange(0, NP)
 
     acc = tl.zeros([GP, DKP], tl.float32)
-    NSUB: tl.constexpr = SEL // BN
+    NSUB: tl.constexpr = (SEL + BN - 1) // BN
     kcols = tl.arange(0, DKP)
     vcols = tl.arange(0, DVP)
-    for it in range(n_valid * NSUB):
-        toks = start + tl.load(row + it // NSUB) * SEL + (it % NSUB) * BN + tl.arange(0, BN)
+    for it in range(n_walk * NSUB):
+        blk = tl.sum(tl.where(slots == it // NSUB, blocks, 0), axis=0)
+        offs = (it % NSUB) * BN + tl.arange(0, BN)
+        toks = tl.where(blk >= 0, start + blk * SEL, t + 1) + offs
         kmask = toks <= t
+        if SEL % BN != 0:
+            kmask = kmask & (offs < SEL)
         kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
                      mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
         vt = tl.load(v + (b * sv_b + toks * sv_t + h * sv_h)[:, None] + vcols[None, :],
@@ -219,11 +239,11 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
                  T, scale, qk_scale,
                  H: tl.constexpr, G: tl.constexpr, GP2: tl.constexpr, DK: tl.constexpr,
-                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BN: tl.constexpr,
-                 BM: tl.constexpr, PREC: tl.constexpr):
+                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
+                 BN: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     """Partial dk/dv of one key tile from one chunk of the queries that selected its block.
 
-    chunks[pid] = (first entry, end entry, b * H + h, first token of the block); entries
+    chunks[pid] = (first entry, end entry, b * H + h, first token of the block), int64; entries
     ent_tok[e0:e1] are the query tokens, ascending. Rows of a [BM, *] tile are (query, head) pairs.
     """
     pid = tl.program_id(0)
@@ -231,13 +251,15 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
     e1 = tl.load(chunks + pid * 4 + 1)
     if e1 > e0:
         bh = tl.load(chunks + pid * 4 + 2)
-        b = (bh // H).to(tl.int64)
+        b = bh // H
         h = bh % H
         # keys past the chunk's last query get nothing from it (and stay inside the sequence)
         t_last = tl.load(ent_tok + e1 - 1)
-        toks = (tl.load(chunks + pid * 4 + 3).to(tl.int64) + tl.program_id(1) * BN
-                + tl.arange(0, BN))
+        offs = tl.program_id(1) * BN + tl.arange(0, BN)
+        toks = tl.load(chunks + pid * 4 + 3) + offs
         kmask = toks <= t_last
+        if SEL % BN != 0:  # the block's last tile runs past its end
+            kmask = kmask & (offs < SEL)
         kt = _load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
         vt = _load_tile(v, b * sv_b + toks * sv_t + h * sv_h, kmask, DV, DVP)
 
@@ -284,9 +306,16 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(x))
 
 
+def _key_tile(sel_block: int, cap: int) -> int:
+    """Keys per tile, at most cap: the largest power of two dividing l' if that is >= 16 (tl.dot's
+    minimum), else l' padded to a power of two with the block's tail masked (l' = 24, 40, ...)."""
+    divisor = sel_block & -sel_block
+    return min(cap, divisor if divisor >= 16 else _pow2(sel_block))
+
+
 def _key_tile_size(sel_block: int, dkp: int, dvp: int) -> int:
-    """Keys per forward / dq tile: 64, halved for very wide heads to bound the K/V tiles."""
-    return min(sel_block, 64 if dkp + dvp <= 384 else 32)
+    """Keys per forward / dq tile: up to 64, 32 for very wide heads to bound the K/V tiles."""
+    return _key_tile(sel_block, 64 if dkp + dvp <= 384 else 32)
 
 
 def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: int
@@ -300,7 +329,7 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     reports (no spills), (8, 2) and (4, 2); they are unmeasured at scale.
     """
     narrow = dkp + dvp <= 256 and dtype != torch.float32
-    bn = min(sel_block, 64 if narrow else 32)
+    bn = _key_tile(sel_block, 64 if narrow else 32)
     bm = max(64 if dtype != torch.float32 else 32, gp2)
     if narrow:
         return bn, bm, 4, 3
@@ -328,13 +357,20 @@ def _seq_start(T: int, cu_seqlens: Optional[Tensor], device) -> Optional[Tensor]
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
            cu_seqlens: Optional[Tensor]) -> None:
+    """What the launchers rely on (the ops validate fully before routing here)."""
     B, T, HQ, _ = q.shape
     H = k.shape[2]
-    assert HQ % H == 0, "query heads must be a multiple of KV heads"
-    assert q.dtype == k.dtype == v.dtype, "q, k and v must share a dtype"
-    assert sel_block % 16 == 0, "sel_block must be a multiple of 16"
-    assert block_idx.shape[:3] == (B, T, H), "block_idx must be [B, T, H, n]"
-    assert cu_seqlens is None or B == 1, "varlen input packs sequences into B == 1"
+    if H == 0 or HQ % H:
+        raise ValueError(f"q heads HQ={HQ} must be a multiple of k heads H={H}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if sel_block <= 0:
+        raise ValueError(f"sel_block must be a positive int, got {sel_block}")
+    if tuple(block_idx.shape[:3]) != (B, T, H):
+        raise ValueError(f"block_idx must be [B, T, H, n] with (B, T, H) = {(B, T, H)}, got "
+                         f"{tuple(block_idx.shape)}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"q must have B == 1 with cu_seqlens (packed sequences), got B={B}")
 
 
 def _key_chunks(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor],
@@ -342,15 +378,16 @@ def _key_chunks(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor],
     """Inverse of block_idx, chunked: which queries selected each (batch, KV head, block).
 
     Returns ent_tok int32 [E] (query token of each valid (b, t, h, slot) entry, grouped by block,
-    ascending inside a block) and chunks int32 [P, 4] = (first entry, end entry, b * H + h, first
-    token of the block). P is a bound known from shapes alone; chunks past the real count are
-    empty (end == first). Everything stays on device: no host sync, CUDA-graph capturable.
+    ascending inside a block) and chunks int64 [P, 4] = (first entry, end entry, b * H + h, first
+    token of the block): E = B*T*H*n passes 2**31 at long T. P is a bound known from shapes alone;
+    chunks past the real count are empty (end == first). A block a row names twice is one entry.
+    Everything stays on device: no host sync, CUDA-graph capturable.
     """
     B, T, H, n = block_idx.shape
     device = block_idx.device
     _, pos = token_layout(T, cu_seqlens, device)
     idx = block_idx.to(torch.int64)
-    valid = (idx >= 0) & (idx * sel_block <= pos[None, :, None, None])
+    valid = distinct_slots(idx) & (idx * sel_block <= pos[None, :, None, None])
     # a block is named by (b, h, its first packed token): unique across sequences, < B*H*T
     first_tok = (torch.arange(T, device=device) - pos)[None, :, None, None] + idx * sel_block
     bh = (torch.arange(B, device=device)[:, None] * H + torch.arange(H, device=device))
@@ -376,7 +413,7 @@ def _key_chunks(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor],
     e0 = lo[kid] + (pid - chunk_end[kid] + nchunk[kid]) * queries_per_chunk
     e1 = torch.minimum(e0 + queries_per_chunk, hi[kid])
     e0, e1 = torch.where(real, e0, 0), torch.where(real, e1, 0)
-    chunks = torch.stack([e0, e1, kid // T, kid % T], dim=1).to(torch.int32)
+    chunks = torch.stack([e0, e1, kid // T, kid % T], dim=1).to(torch.int64)
     return ent_tok, chunks
 
 
@@ -403,7 +440,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
         q, k, v, o, lse, bidx, seq_start if seq_start is not None else bidx,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, n, scale * math.log2(math.e), IS_VARLEN=seq_start is not None,
-        **forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype))
+        **forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype), **_per_token_launch("fwd"))
     return o, lse
 
 
@@ -446,16 +483,16 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         T, n, scale, scale * math.log2(math.e),
         H=H, G=G, GP=_pow2(G), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
         BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=seq_start is not None,
-        HAS_DLSE=dlse is not None, PREC=prec)
+        HAS_DLSE=dlse is not None, PREC=prec, **_per_token_launch("dq"))
 
     gp2 = _pow2(G, 1)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
     queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
     ent_tok, chunks = _key_chunks(bidx, sel_block, cu_seqlens, queries_per_chunk)
-    _dkdv_kernel[(chunks.shape[0], sel_block // bn)](
+    _dkdv_kernel[(chunks.shape[0], triton.cdiv(sel_block, bn))](
         q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, scale, scale * math.log2(math.e),
-        H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, BN=bn, BM=bm, PREC=prec,
-        num_warps=warps, num_stages=stages)
+        H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
+        PREC=prec, num_warps=warps, num_stages=stages)
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .reference import token_layout
+from .reference import distinct_slots, token_layout
 
 # Bytes of gathered K/V per chunk of tokens.
 GATHER_BUDGET = 1 << 30
@@ -54,6 +54,9 @@ def selection_attention_packed(q: Tensor, k: Tensor, v: Tensor, block_idx: Tenso
     H, Dv, n = k.shape[2], v.shape[3], block_idx.shape[3]
     G, keys = HQ // H, n * sel_block
     dev = q.device
+    if keys == 0 or B * T * HQ == 0:  # no slots: nothing to attend, as the reference
+        return (q.new_zeros(B, T, HQ, Dv),
+                torch.full((B, T, HQ), float("-inf"), dtype=torch.float32, device=dev))
     o = q.new_empty(B, T, HQ, Dv)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=dev)
     _, pos = token_layout(T, cu_seqlens, dev)
@@ -66,7 +69,8 @@ def selection_attention_packed(q: Tensor, k: Tensor, v: Tensor, block_idx: Tenso
         t1 = min(T, t0 + step)
         idx = block_idx[:, t0:t1].to(torch.int64)  # [B,Tc,H,n]
         local = (idx[..., None] * sel_block + offsets).flatten(-2)  # [B,Tc,H,keys]
-        seen = (idx >= 0).repeat_interleave(sel_block, -1) & \
+        # a row is a set of blocks: empty slots and repeats of a block stay closed
+        seen = distinct_slots(idx).repeat_interleave(sel_block, -1) & \
             (local <= pos[t0:t1, None, None])
         tok = torch.where(seen, local + starts[t0:t1, None, None], 0)
         Tc = t1 - t0

@@ -228,6 +228,19 @@ def window_mask_fn(T: int, window: int, cu_seqlens: Optional[Tensor], device) ->
     return mask_fn
 
 
+def distinct_slots(block_idx: Tensor) -> Tensor:
+    """bool [..., n]: slots naming a block (>= 0) that no earlier slot of their row names.
+
+    A block_idx row is a set: any order, -1 anywhere, a repeated block counts once. Routes that
+    walk slots (packed SDPA, the kernels' inverse index) keep just these.
+    """
+    idx = block_idx.to(torch.int64)
+    ordered, perm = torch.sort(idx, dim=-1, stable=True)  # equal values keep slot order
+    repeat = torch.zeros_like(ordered, dtype=torch.bool)
+    repeat[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+    return (idx >= 0) & ~torch.empty_like(repeat).scatter_(-1, perm, repeat)
+
+
 def selection_mask_fn(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor]) -> MaskFn:
     """Query t sees tokens of its selected blocks (per KV head), clamped causally."""
     B, T, H, n = block_idx.shape
