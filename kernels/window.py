@@ -60,8 +60,9 @@ def _rows(r0, kvh, T, G, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _offsets(b, tok, head, stride_b, stride_t, stride_h, d):
-    """[len(tok), len(d)] element offsets of x[b, tok, head, d]; int64 for long sequences."""
-    row = tok.to(tl.int64) * stride_t + head * stride_h
+    """[len(tok), len(d)] element offsets of x[b, tok, head, d]; int64 for long sequences and
+    head-major layouts (head stride T * D)."""
+    row = tok.to(tl.int64) * stride_t + head.to(tl.int64) * stride_h
     return b.to(tl.int64) * stride_b + row[:, None] + d[None, :]
 
 
@@ -179,9 +180,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, DKP, DVP,
         tok = tl.where(ok, rows // G, 0)
         head = kvh * G + rows % G
         first = tl.maximum(tok - W + 1, tl.load(START + tok))
-        q = tl.load(q_base + (tok.to(tl.int64) * sqt + head * sqh)[:, None] + dk_r[None, :],
+        q = tl.load(q_base + (tok.to(tl.int64) * sqt + head.to(tl.int64) * sqh)[:, None]
+                    + dk_r[None, :],
                     mask=ok[:, None] & (dk_r[None, :] < DK), other=0.0)
-        do = tl.load(do_base + (tok.to(tl.int64) * sdot + head * sdoh)[:, None] + dv_r[None, :],
+        do = tl.load(do_base + (tok.to(tl.int64) * sdot + head.to(tl.int64) * sdoh)[:, None]
+                     + dv_r[None, :],
                      mask=ok[:, None] & (dv_r[None, :] < DV), other=0.0)
         row = row_base + tok.to(tl.int64) * (H * G) + head
         lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
@@ -366,20 +369,36 @@ def _cu(cu_seqlens: Tensor, device) -> Tensor:
 def _fa_backward(raw_bwd: Callable, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens):
     """FA-2 backward plus the dlse term it has no input for.
 
-    dS = P * (dP - delta + dlse). The extra part P * dlse comes from a second pass with V = 0
-    (so dP = 0), dO' = e_0 and O' = -dlse * e_0 (so rowsum(dO' * O') = -dlse): its dQ, dK are
-    exactly the dlse contributions. Well conditioned for any dO, unlike folding dlse into O.
+    dS = P * (dP - delta + dlse). The extra part P * dlse comes from a second pass with V = 0 (so
+    dP = 0) and dO', O' whose row dot is -dlse (FA-2 sums rowsum(dO' * O') in fp32): its dQ, dK
+    are exactly the dlse contributions. Well conditioned for any dO, unlike folding dlse into O.
+    dO' and O' are in o's dtype, so dlse goes in as `_split_rows`: three o-dtype parts carry its
+    fp32 value, and a power-of-two row scale in dO' keeps fp16 parts below 65504.
     """
     grads = raw_bwd(do, q, k, v, o, lse, window, scale, cu_seqlens)
     if dlse is None:
         return grads
+    scale_rows, parts = _split_rows(-dlse.to(torch.float32), o.dtype)
     unit = torch.zeros_like(o)
-    unit[..., 0] = 1
+    unit[..., :3] = scale_rows.unsqueeze(-1)
     shifted = torch.zeros_like(o)
-    shifted[..., 0] = -dlse
+    shifted[..., :3] = parts
     dq1, dk1, _ = raw_bwd(unit, q, k, torch.zeros_like(v), shifted, lse, window, scale, cu_seqlens)
     dq, dk, dv = grads
     return dq + dq1, dk + dk1, dv
+
+
+def _split_rows(x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(s, parts [..., 3]) in dtype with s * parts.sum(-1) == x to about fp32 precision: parts are
+    hi + mid + lo of x / s, s the power of two bringing |x| / s to [0.5, 1], kept within
+    [2**-24, 2**14] so that s and the parts stay in fp16's range (its subnormals included)."""
+    s = torch.exp2(torch.ceil(torch.log2(x.abs())).clamp(-24.0, 14.0))
+    rest = x / s
+    parts = []
+    for _ in range(3):
+        parts.append(rest.to(dtype))
+        rest = rest - parts[-1].to(torch.float32)
+    return s.to(dtype), torch.stack(parts, -1)
 
 
 def _aten_fwd(q, k, v, window, scale, cu_seqlens):

@@ -32,10 +32,18 @@ def _compressed_route(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: in
 
 
 def _call(target: str, route: routing.Route, *args):
+    """Run an implementation; its outputs come back contiguous, as the fake kernels promise.
+
+    Implementations may follow their inputs' layout (FA-2 and TensorIterator arithmetic do, so a
+    head-major q would give a head-major o or dq); the op's contract is one layout on every route.
+    """
     # inputs arrive in the dtypes the caller's autocast chose; inside, the implementation's own
     # precision rules hold (float32 lse, float32 accumulation), not autocast's per-op casts
     with torch.autocast(args[0].device.type, enabled=False):
-        return routing.resolve(target)(*args, **dict(route.options))
+        out = routing.resolve(target)(*args, **dict(route.options))
+    if isinstance(out, Tensor):
+        return out.contiguous()
+    return tuple(t.contiguous() for t in out)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -48,7 +56,8 @@ def _fake_attention(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _fake_grads(*like: Tensor) -> tuple[Tensor, ...]:
-    return tuple(torch.empty_like(t) for t in like)
+    # contiguous whatever the inputs' strides: what _call returns
+    return tuple(t.new_empty(t.shape) for t in like)
 
 
 def _do_or_zeros(o: Tensor, do: Optional[Tensor]) -> Tensor:
@@ -289,7 +298,7 @@ def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optio
 
 @gate_combine_backward.register_fake
 def _(do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads):
-    d_o = [torch.empty_like(o) if o is not None else do.new_empty(0)
+    d_o = [o.new_empty(o.shape) if o is not None else do.new_empty(0)
            for o in (o_cmp, o_slc, o_win)]
     d_g = [g.new_empty(g.shape if gate_grads else (0,)) if g is not None else do.new_empty(0)
            for g in (g_cmp, g_slc, g_win)]
