@@ -69,9 +69,10 @@ def _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L: tl.constexpr, STRIDE: tl.cons
 
 @triton.jit
 def _load_rows(ptr, tok, hq, st, sh, D: tl.constexpr, D_PAD: tl.constexpr, valid):
-    """[rows, D_PAD] tile of a [T, heads, D] tensor (last dim contiguous), zero where masked."""
+    """[rows, D_PAD] tile of a [T, heads, D] tensor (last dim contiguous), zero where masked.
+    int64 offsets: a head-major tensor's head stride is T * D."""
     d = tl.arange(0, D_PAD)
-    offs = tok.to(tl.int64)[:, None] * st + hq[:, None] * sh + d[None, :]
+    offs = tok.to(tl.int64)[:, None] * st + hq.to(tl.int64)[:, None] * sh + d[None, :]
     return tl.load(ptr + offs, mask=valid[:, None] & (d[None, :] < D), other=0.0)
 
 
@@ -138,7 +139,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SEQ, POS, CMP_CU,
                 G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
                 PREC: tl.constexpr):
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    kvh = tl.program_id(1) % H
+    kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
     tok, head, valid = _query_rows(tl.program_id(0) * TOK, T, G, TOK, G_PAD)
     hq = kvh * G + head
     q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
@@ -214,7 +215,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEQ, POS, CMP_CU,
                G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
                PREC: tl.constexpr):
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    kvh = tl.program_id(1) % H
+    kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
     tok, head, valid = _query_rows(tl.program_id(0) * TOK, T, G, TOK, G_PAD)
     hq = kvh * G + head
     q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
@@ -293,7 +294,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
                  G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
                  PREC: tl.constexpr, NSPLIT: tl.constexpr):
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    kvh = tl.program_id(1) % H
+    kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
     split = tl.program_id(2)
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cvalid = c < NC
@@ -453,7 +454,7 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
                    TOK: tl.constexpr, G_PAD: tl.constexpr, SB: tl.constexpr,
                    NBLK_PAD: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    kvh = tl.program_id(1) % H
+    kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
     t0 = tl.program_id(0) * TOK
     tok, head, valid = _query_rows(t0, T, G, TOK, G_PAD)
     hq = kvh * G + head
@@ -662,9 +663,8 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     _check(block_len, block_stride, cu_seqlens, B)
     q, k_cmp, v_cmp, o, do = _lastdim_contig(q, k_cmp, v_cmp, o, do)
     lse = lse.to(torch.float32).contiguous()
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k_cmp)
-    dv = torch.empty_like(v_cmp)
+    # contiguous, as the fake kernels say, whatever the inputs' layout
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k_cmp, v_cmp))
     if B * T * HQ == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = _delta(o, do, dlse)

@@ -33,8 +33,6 @@ from nsa_ops import routing
 
 _OP = "selection_attention"
 _LOG2E = math.log2(math.e)
-# launch configs the autotuner chooses from: (num_warps, num_stages), as for the eager kernel
-_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 3), (8, 3))
 
 _TEMPLATE_SOURCE = r'''
 {{def_kernel("Q", "K", "V", "BIDX", "LSE")}}
@@ -42,7 +40,7 @@ _TEMPLATE_SOURCE = r'''
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
-    h = bh % H
+    h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
         Q, K, V, BIDX, BIDX, b, t, h,
         {{stride("Q", 0)}}, {{stride("Q", 1)}}, {{stride("Q", 2)}},
@@ -134,6 +132,18 @@ def _valid_block_idx(node, sel_block: int) -> torch.Tensor:
     return idx.to(node.get_dtype())[None, :, None, :].expand(B, T, H, n).contiguous()
 
 
+def _unit_last_stride(ir, V, x):
+    """x realized with a unit stride along its last dim: kept if its fixed layout has one (a
+    head-major view does), else laid out contiguously (a flexible layout is frozen so, anything
+    else copied)."""
+    x = ir.ExternKernel.realize_input(x)
+    layout = x.maybe_get_layout()
+    if isinstance(layout, ir.FixedLayout) and \
+            V.graph.sizevars.statically_known_equals(layout.stride[-1], 1):
+        return x
+    return ir.ExternKernel.require_contiguous(x)
+
+
 def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=None):
     from torch._inductor.lowering import fallback_handler
 
@@ -160,8 +170,9 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
     if impl not in ("triton", "packed_sdpa"):
         return fallback()
 
-    q, k, v, block_idx = (ir.ExternKernel.require_stride1(ir.ExternKernel.realize_input(t))
-                          for t in (q, k, v, block_idx))
+    # the template indexes q/k/v rows by their three leading strides and block_idx densely
+    q, k, v = (_unit_last_stride(ir, V, t) for t in (q, k, v))
+    block_idx = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(block_idx))
     layout = ir.FixedLayout(device, q.get_dtype(), [B, T, HQ, Dv],
                             ir.FlexibleLayout.contiguous_strides([B, T, HQ, Dv]))
     lse = api.empty_strided([B, T, HQ], None, dtype=torch.float32, device=device)
@@ -169,10 +180,10 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
 
     choices: list = []
     if impl == "triton":
-        from nsa_ops.kernels.selection import forward_constants
+        from nsa_ops.kernels.selection import PER_TOKEN_CONFIGS, forward_constants
         constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.get_dtype())
         constants["PREC"] = repr(constants["PREC"])  # rendered into the source as a literal
-        for num_warps, num_stages in _CONFIGS:
+        for num_warps, num_stages in PER_TOKEN_CONFIGS:
             api.template.maybe_append_choice(
                 choices, input_nodes=inputs, layout=layout, mutated_inputs=[lse],
                 call_sizes=[B, T, HQ, Dk], num_stages=num_stages, num_warps=num_warps,
