@@ -63,6 +63,15 @@ def random_block_idx(B, T, H, n, sel_block, cu_seqlens=None, seed=1):
     return torch.where(picked == nblk, -1, picked).to(torch.int32)
 
 
+def as_set(block_idx, seed=2):
+    """The same selections written as a set may be: slots shuffled, -1 anywhere, each row's
+    first slot repeated in its last (a block named twice counts once)."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.rand(block_idx.shape, generator=gen).argsort(-1)
+    shuffled = torch.gather(block_idx, -1, perm)
+    return torch.cat([shuffled, shuffled[..., :1]], -1)
+
+
 # --------------------------------------------------------------------------------------------
 # Checks
 # --------------------------------------------------------------------------------------------
@@ -89,7 +98,9 @@ def assert_lse(lse, expected, dtype):
 
 # (B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, dlse, extra) with extra in
 # {"", "strided", "chunks"}; "chunks" cuts the dk/dv inverse index into one tile per chunk so that
-# blocks span many chunks (exercises the atomic accumulation).
+# blocks span many chunks (exercises the atomic accumulation). selection "set": random selections
+# shuffled, with a repeated slot. l' = 24 / 48 / 96 are not multiples of a power-of-two key tile
+# >= 16 (24: one masked 32-key tile; 96: three 32-key tiles).
 CASES = [
     (1, 50, 2, 1, 16, 16, 16, 3, torch.float32, "spec", False, ""),
     (2, 50, 1, 2, 32, 16, 32, 4, torch.float16, "random", True, ""),
@@ -98,6 +109,10 @@ CASES = [
     (1, 50, 2, 2, 32, 16, 16, 4, torch.float32, "spec", True, "strided"),
     (1, 50, 1, 3, 32, 16, 32, 3, torch.float32, "random", True, "chunks"),
     (1, 50, 1, 2, 16, 16, 128, 2, torch.float32, "random", True, ""),
+    (1, 60, 1, 2, 16, 16, 16, 4, torch.float32, "set", True, "chunks"),
+    (1, 60, 1, 2, 16, 16, 24, 3, torch.float32, "set", True, ""),
+    (1, 70, 1, 2, 16, 24, 48, 3, torch.float32, "random", True, "chunks"),
+    (1, 100, 1, 2, 16, 16, 96, 2, torch.float32, "set", False, ""),
 ]
 
 
@@ -134,6 +149,9 @@ def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, w
         block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5)
     else:
         block_idx = random_block_idx(B, T, H, n, sel_block)
+    if selection == "set":
+        block_idx = as_set(block_idx)
+        assert (block_idx[..., :-1] < 0).any() and (block_idx[..., 0] >= 0).any()
     assert (block_idx < 0).any(), "cases must include empty slots"
     run_case(q, k, v, block_idx, sel_block, dtype, with_dlse)
 

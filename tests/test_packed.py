@@ -44,6 +44,28 @@ def test_packed_chunks_tokens(monkeypatch):
     check(*qkv(1, 45, 4, 2, 16, 16, seed=5))
 
 
+def test_packed_block_idx_is_a_set():
+    """Shuffled slots, -1 first, a block named twice: the reference's set semantics."""
+    q, k, v = qkv(1, 60, 4, 2, 16, 16, seed=6)
+    idx = selection_for(q, k, v, GEO)
+    idx = torch.cat([idx.flip(-1), idx[..., -1:]], -1)
+    assert (idx[..., 0] < 0).any() and (idx[..., -1] >= 0).any()
+    scale = q.shape[-1] ** -0.5
+    ro, rl = reference.selection_attention(q.double(), k.double(), v.double(), idx,
+                                           GEO["sel_block"], scale)
+    o, lse = selection_attention_packed(q, k, v, idx, GEO["sel_block"], scale)
+    torch.testing.assert_close(o.double(), ro, atol=TOL[q.dtype][0], rtol=TOL[q.dtype][1])
+    torch.testing.assert_close(lse.double(), rl, atol=1e-5, rtol=TOL[q.dtype][1])
+
+
+def test_packed_without_slots():
+    """n = 0: no keys at all, as the reference: o = 0, lse = -inf (no division by zero)."""
+    q, k, v = qkv(1, 20, 4, 2, 16, 8, seed=7)
+    idx = torch.empty(1, 20, 2, 0, dtype=torch.int32)
+    o, lse = selection_attention_packed(q, k, v, idx, GEO["sel_block"], 0.25)
+    assert o.shape == (1, 20, 4, 8) and (o == 0).all() and (lse == float("-inf")).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("G,Dk,Dv", [(1, 64, 64), (4, 128, 128), (16, 192, 128)])
