@@ -98,8 +98,10 @@ def filled_cache(S: int, B: int) -> tuple[nsa_ops.NSACache, torch.Tensor, list[t
     cache.k.normal_()
     cache.v.normal_()
     rows = cfg.num_cmp(S)
-    cache.k_cmp[:, :rows] = reference.compress_mean(cache.k, cfg.block_len, cfg.block_stride)
-    cache.v_cmp[:, :rows] = reference.compress_mean(cache.v, cfg.block_len, cfg.block_stride)
+    cache.k_cmp[:, :rows] = reference.compress_mean(cache.k, cfg.block_len,
+                                                    cfg.block_stride)[:, :rows]
+    cache.v_cmp[:, :rows] = reference.compress_mean(cache.v, cfg.block_len,
+                                                    cfg.block_stride)[:, :rows]
     cache.length = S
     cache.device_length.fill_(S)
     q = torch.randn(B, 1, HQ, D, device="cuda", dtype=dt)

@@ -96,7 +96,7 @@ def bench_length(T: int, kernels: list[str], rows: list[dict]) -> None:
             k_cmp = reference.compress_mean(k, l, d)
             v_cmp = reference.compress_mean(v, l, d)
             o, lse = C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
-            pairs = HQ * T * k_cmp.shape[1] / 2
+            pairs = HQ * T * reference.num_cmp(T, l, d) / 2  # k_cmp has padding rows too
             if "compressed" in kernels:
                 for impl, K in (("triton", C), ("cudnn", CS)):
                     record(f"compressed l={l} d={d} {impl}",
@@ -106,7 +106,7 @@ def bench_length(T: int, kernels: list[str], rows: list[dict]) -> None:
             if "select" in kernels:
                 record(f"select_blocks l={l} d={d}",
                        lambda: C.select_blocks(q, k_cmp, lse, l, d, lp, 16, scale), None,
-                       HQ * T * k_cmp.shape[1] / 2)
+                       pairs)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,8 @@ class NSACache:
     def append(self, k: Tensor, v: Tensor, phi_k, phi_v) -> None:
         """Cache k [B,Tq,H,Dk] (rotated) and v [B,Tq,H,Dv]; emit the blocks they complete.
 
-        phi_k / phi_v map tokens [B,T,H,D] to rows [B,num_cmp(T),H,D] (phi(x, l, d, None)).
+        phi_k / phi_v map tokens [B,T,H,D] to rows [B,rows,H,D] (phi(x, l, d, None)), row i
+        block i; rows past num_cmp(T) (the padded layout of `reference.cmp_rows`) are dropped.
         Stored detached: decode is inference, training runs the prefill path.
         """
         self._check(k, v)
@@ -107,11 +108,12 @@ class NSACache:
         if last > first:
             # the token span of blocks first..last-1; phi over it yields exactly those rows
             lo, hi = first * c.block_stride, (last - 1) * c.block_stride + c.block_len
+            n = last - first
             with torch.no_grad():
                 self.k_cmp[:, first:last] = phi_k(self.k[:, lo:hi], c.block_len, c.block_stride,
-                                                  None)
+                                                  None)[:, :n]
                 self.v_cmp[:, first:last] = phi_v(self.v[:, lo:hi], c.block_len, c.block_stride,
-                                                  None)
+                                                  None)[:, :n]
 
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more tokens: grow a growing cache, raise if a static one is
@@ -149,10 +151,11 @@ class NSACache:
         complete = (first >= 0) & (first % c.block_stride == 0)
         row = torch.where(complete, first // c.block_stride, self.k_cmp.shape[1] - 1)
         with torch.no_grad():
+            # the one block of these l tokens is row 0 of phi's (possibly padded) output
             self.k_cmp.index_copy_(1, row, phi_k(self.k.index_select(1, tokens), c.block_len,
-                                                 c.block_stride, None))
+                                                 c.block_stride, None)[:, :1])
             self.v_cmp.index_copy_(1, row, phi_v(self.v.index_select(1, tokens), c.block_len,
-                                                 c.block_stride, None))
+                                                 c.block_stride, None)[:, :1])
 
     def _check(self, k: Tensor, v: Tensor) -> None:
         c = self.config
@@ -165,7 +168,9 @@ class NSACache:
         for name, t in (("k", k), ("v", v)):
             if t.dtype != self.dtype or t.device != self.device:
                 raise ValueError(f"{name} must be {self.dtype} on {self.device} like the cache, "
-                                 f"got {t.dtype} on {t.device}")
+                                 f"got {t.dtype} on {t.device} (build the cache in k's dtype: "
+                                 f"module.new_cache() under the autocast that decoding runs "
+                                 f"in, or new_cache(dtype=...))")
 
     # ---- per-branch views over the valid prefix ---------------------------------------------
 

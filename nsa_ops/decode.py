@@ -123,7 +123,10 @@ def decode_attention(q: Tensor, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g
         raise ValueError(f"q must hold 1..{cache.length} query rows (the cached tokens), "
                          f"got Tq={Tq}")
     route = routing.choose("decode", routing.Inputs.of_cache(q, cache))
-    o, reads = routing.resolve(route.forward)(q, cache, g_cmp, g_slc, g_win, scale)
+    # as in the prefill ops: inputs arrive in the dtypes autocast chose, and inside, float32
+    # accumulation holds rather than autocast's per-op casts, so decode equals prefill
+    with torch.autocast(q.device.type, enabled=False):
+        o, reads = routing.resolve(route.forward)(q, cache, g_cmp, g_slc, g_win, scale)
     cache.last_reads = reads
     cache.total_reads += reads.sum()
     return o

@@ -9,8 +9,9 @@ from torch import Tensor
 from . import ops, reference
 from . import validation as check
 
-# phi maps tokens [B,T,H,D] to compressed rows [B,num_cmp,H,D]:
-# phi(x, block_len, block_stride, cu_seqlens). nsa_ops.PhiMLP instances qualify.
+# phi maps tokens [B,T,H,D] to compressed rows [B,rows,H,D], the emitted ones or the padded
+# layout (reference.cmp_rows): phi(x, block_len, block_stride, cu_seqlens). nsa_ops.PhiMLP
+# instances qualify.
 Phi = Callable[[Tensor, int, int, Optional[Tensor]], Tensor]
 
 
@@ -39,7 +40,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     """Native Sparse Attention: o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win.
 
     q [B,T,HQ,Dk], k [B,T,H,Dk], v [B,T,H,Dv], gates [B,T,HQ] (already activated). Varlen: B == 1
-    and cu_seqlens int32 [N+1] (compressing varlen input reads cu_seqlens on the host once).
+    and cu_seqlens int32 [N+1]. phi returns the emitted compressed rows, or the padded layout of
+    `reference.cmp_rows` (the built-in phi do: no host read of cu_seqlens, one compiled graph).
     block_idx [B,T,H,num_sel] overrides the learned selection (e.g. to reuse it across layers).
     window=0 leaves the sliding-window branch out, like fla's window_size=0 (the spec's empty
     window would give o_win = 0); g_win may then be None.

@@ -74,12 +74,23 @@ class NSAAttention(AttentionProjections):
         else:
             self.phi_k = self.phi_v = reference.compress_mean
 
-    def new_cache(self, batch_size: int = 1, capacity: Optional[int] = None) -> NSACache:
-        """An empty cache in this module's dtype and device (capacity defaults to max_position
-        when the config sets one; None grows on demand)."""
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype k and v leave the projections in, here and now: autocast's dtype while
+        autocast is on for the weights' device (it leaves float64 alone), else the weights'."""
+        w = self.k_proj.weight
+        dev = w.device.type
+        if torch.is_autocast_enabled(dev) and w.dtype != torch.float64:
+            return torch.get_autocast_dtype(dev)
+        return w.dtype
+
+    def new_cache(self, batch_size: int = 1, capacity: Optional[int] = None,
+                  dtype: Optional[torch.dtype] = None) -> NSACache:
+        """An empty cache on this module's device, in ``dtype`` (default: `kv_dtype`, so a cache
+        made under the autocast that decoding runs in matches its k and v); capacity defaults
+        to max_position when the config sets one, None grows on demand."""
         w = self.q_proj.weight
         return NSACache(self.config, batch_size, capacity or self.config.max_position,
-                        dtype=w.dtype, device=w.device)
+                        dtype=dtype or self.kv_dtype(), device=w.device)
 
     def gates(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(g_cmp, g_slc, g_win), each [B,T,HQ], activated."""
@@ -107,9 +118,13 @@ class NSAAttention(AttentionProjections):
         if cache is None:
             check.check_cu_seqlens(cu_seqlens, x)
             _, pos = reference.token_layout(T, cu_seqlens, x.device)
-            if c.max_position is not None:
-                self._check_positions(T if cu_seqlens is None else
-                                      int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+            if c.max_position is not None and T > c.max_position:
+                # no sequence is longer than T, so the lengths need reading only past the limit,
+                # and like every value check only where that costs no device sync
+                if cu_seqlens is None:
+                    self._check_positions(T)
+                elif check._values_readable(cu_seqlens):
+                    self._check_positions(int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
             q, k, v = self._qkv(x, pos)
             o = nsa_attention(q, k, v, *self.gates(x), block_len=c.block_len,
                               block_stride=c.block_stride, sel_block=c.sel_block,
@@ -138,7 +153,8 @@ class NSAAttention(AttentionProjections):
         ``cache.device_length``, so one capture serves every later step. Eager calls
         ``self(x, cache)`` may be mixed in between: both paths keep the two lengths in sync.
         Needs a CUDA cache with static capacity (a CUDA graph replays fixed addresses) and the
-        Triton decode kernel (the reference reads the length on the host).
+        Triton decode kernel (the reference reads the length on the host). The step runs in the
+        autocast state of this call (cache in `kv_dtype`); replays need no autocast around them.
         """
         c = self.config
         w = self.q_proj.weight
@@ -149,11 +165,17 @@ class NSAAttention(AttentionProjections):
             raise ValueError("cache must have a static capacity for CUDA-graph decoding, e.g. "
                              "module.new_cache(batch_size, capacity=N): a growing cache "
                              "reallocates its tensors, and a graph replays fixed addresses")
-        if cache.device.type != "cuda" or cache.device != w.device or cache.dtype != w.dtype:
-            raise ValueError(f"cache must be a CUDA cache in the module's dtype and device "
-                             f"({w.dtype} on {w.device}), got {cache.dtype} on {cache.device}")
+        kv_dtype = self.kv_dtype()
+        if cache.device.type != "cuda" or cache.device != w.device or cache.dtype != kv_dtype:
+            raise ValueError(f"cache must be a CUDA cache on the module's device in the dtype "
+                             f"of its k and v ({kv_dtype} on {w.device}: module.new_cache() "
+                             f"under the same autocast), got {cache.dtype} on {cache.device}")
         B = cache.batch_size
-        query_like = torch.empty(B, 1, c.num_heads, c.head_dim_qk, dtype=w.dtype, device=w.device)
+        dev = w.device.type
+        amp = dict(device_type=dev, dtype=torch.get_autocast_dtype(dev),
+                   enabled=torch.is_autocast_enabled(dev))
+        query_like = torch.empty(B, 1, c.num_heads, c.head_dim_qk, dtype=kv_dtype,
+                                 device=w.device)
         x = routing.Inputs.of_cache(query_like, cache)
         if routing.choose("decode", x).impl != "triton":
             reasons = "; ".join(f"{impl}: {why}" for impl, why in routing.explain("decode", x))
@@ -163,10 +185,13 @@ class NSAAttention(AttentionProjections):
         static_x = torch.zeros(B, 1, c.hidden_size, dtype=w.dtype, device=w.device)
 
         def body() -> Tensor:
-            q, k, v = self._qkv(static_x, cache.device_length)
-            cache.append_token(k, v, self.phi_k, self.phi_v)
-            o = decode_attention(q, cache, *self.gates(static_x), scale=c.scale)
-            return self.o_proj(o.flatten(-2))
+            # autocast's weight-cast cache would hand the capture casts made before it, freed
+            # when the caller's autocast exits: without it, the casts are captured too
+            with torch.autocast(**amp, cache_enabled=False):
+                q, k, v = self._qkv(static_x, cache.device_length)
+                cache.append_token(k, v, self.phi_k, self.phi_v)
+                o = decode_attention(q, cache, *self.gates(static_x), scale=c.scale)
+                return self.o_proj(o.flatten(-2))
 
         last_reads, total_reads = cache.last_reads, cache.total_reads.clone()
         with torch.no_grad():

@@ -7,10 +7,11 @@ against these functions, and the CPU kernels of the ``torch.ops.nsa`` ops are th
 Layouts follow flash-attn / fla: q [B,T,HQ,Dk], k [B,T,H,Dk], v [B,T,H,Dv]; query head h reads KV
 head h // G with G = HQ // H. Varlen packs N sequences into B == 1 with cu_seqlens int32 [N+1];
 compressed rows (k_cmp / v_cmp) are then packed per sequence in the same order, num_cmp(S_i) each,
-and block indices are local to their sequence.
+and block indices are local to their sequence. Rows past the emitted ones are padding that no
+query sees (phi returns `cmp_rows(T)` rows, see there).
 
-Nothing here reads tensor values back to the host except `compress` in varlen mode (it must size
-its output), so the functions can run on CUDA tensors inside CUDA graphs and torch.compile.
+Nothing here reads tensor values back to the host except `total_cmp` (validation and tests), so
+the functions can run on CUDA tensors inside CUDA graphs and torch.compile.
 """
 from __future__ import annotations
 
@@ -60,20 +61,39 @@ def token_starts(T: int, cu_seqlens: Optional[Tensor], device) -> Tensor:
 
 def cmp_layout(num_rows: int, cu_seqlens: Optional[Tensor], block_len: int, block_stride: int,
                device) -> tuple[Tensor, Tensor]:
-    """Per compressed row: (sequence id, block index inside its sequence), both int64 [num_rows]."""
+    """Per compressed row: (sequence id, block index inside its sequence), both int64 [num_rows].
+
+    Padding rows past the packed ones fall to the last sequence, as blocks past its end: every
+    consumer's causal test (block end i*d + l - 1 <= position) then hides them with no extra mask.
+    """
     r = torch.arange(num_rows, device=device)
     if cu_seqlens is None:
         return torch.zeros_like(r), r
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    counts = num_cmp(cu[1:] - cu[:-1], block_len, block_stride)
-    cmp_cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    seq = torch.searchsorted(cmp_cu, r, right=True) - 1
-    # right=True skips sequences that emitted no rows (equal offsets) and lands on the owner
+    # first row of every sequence, [N+1]; built from [N+1]-sized tensors only, as a size-N one
+    # would make torch.compile specialise on N == 1 (one sequence)
+    cmp_cu = num_cmp(torch.diff(cu, prepend=cu[:1]), block_len, block_stride).cumsum(0)
+    # right=True skips sequences that emitted no rows (equal offsets) and lands on the owner;
+    # the clamp keeps padding rows in the last sequence
+    seq = (torch.searchsorted(cmp_cu, r, right=True) - 1).clamp(max=cu.shape[0] - 2)
     return seq, r - cmp_cu[seq]
 
 
+def cmp_rows(seq_len, block_stride: int):
+    """Rows of the padded compressed layout that phi returns for T tokens: T // d + 2.
+
+    T // d bounds the emitted rows of any split of T into packed sequences (num_cmp(S) <= S // d
+    as d | l, and a sum of floors is at most the floor of the sum), so varlen compression sizes
+    its output without reading cu_seqlens on the host. The + 2 keeps the count off 0 and 1, the
+    sizes torch.compile specialises on (contiguity, broadcasting): one graph compiled with
+    dynamic T then also serves T < block_len.
+    """
+    return seq_len // block_stride + 2
+
+
 def total_cmp(cu_seqlens: Tensor, block_len: int, block_stride: int) -> int:
-    """Number of packed compressed rows for varlen input (reads cu_seqlens on the host)."""
+    """Number of emitted compressed rows for varlen input (reads cu_seqlens on the host: for
+    validation and tests, never on a hot path)."""
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     return int(num_cmp(lens, block_len, block_stride).sum())
 
@@ -84,22 +104,30 @@ def total_cmp(cu_seqlens: Tensor, block_len: int, block_stride: int) -> int:
 
 def gather_blocks(x: Tensor, block_len: int, block_stride: int,
                   cu_seqlens: Optional[Tensor] = None) -> Tensor:
-    """Blocks [i*d, i*d+l) of every sequence: x [B,T,H,D] -> [B, num_rows, H, l, D]."""
-    B, T, H, D = x.shape
+    """Blocks [i*d, i*d+l) of every sequence: x [B,T,H,D] -> [B, cmp_rows(T), H, l, D].
+
+    Row i is block i (varlen: the blocks of each sequence, packed in order); the rows past the
+    emitted ones are padding, which no query sees.
+    """
+    T = x.shape[1]
+    pad = block_len + block_stride
+    # zero tokens past the end keep every row in bounds, padding rows included, for any T
+    padded = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
     if cu_seqlens is None:
-        # unfold puts the window last: [B, Nc, H, D, l]
-        return x.unfold(1, block_len, block_stride).transpose(-1, -2) if T >= block_len else \
-            x.new_empty(B, 0, H, block_len, D)
-    rows = total_cmp(cu_seqlens, block_len, block_stride)
+        # (T + pad - l) // d + 1 = cmp_rows(T) windows; unfold puts the window last: [B,N,H,D,l]
+        return padded.unfold(1, block_len, block_stride).transpose(-1, -2)
+    rows = cmp_rows(T, block_stride)
     seq, idx = cmp_layout(rows, cu_seqlens, block_len, block_stride, x.device)
     start = cu_seqlens.to(device=x.device, dtype=torch.int64)[seq] + idx * block_stride
     tok = start[:, None] + torch.arange(block_len, device=x.device)  # [rows, l]
-    return x[:, tok].transpose(2, 3)  # [B, rows, l, H, D] -> [B, rows, H, l, D]
+    # only padding rows reach past T: park them on the zero tokens
+    tok = tok.clamp(max=T + pad - 1)
+    return padded[:, tok].transpose(2, 3)  # [B, rows, l, H, D] -> [B, rows, H, l, D]
 
 
 def compress_mean(x: Tensor, block_len: int, block_stride: int,
                   cu_seqlens: Optional[Tensor] = None) -> Tensor:
-    """phi = mean pooling: [B,T,H,D] -> [B, num_rows, H, D]."""
+    """phi = mean pooling: [B,T,H,D] -> [B, cmp_rows(T), H, D]."""
     return gather_blocks(x, block_len, block_stride, cu_seqlens).mean(dim=-2)
 
 

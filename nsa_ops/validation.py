@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import env
-from .reference import num_cmp
+from .reference import cmp_rows, num_cmp, total_cmp
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -27,7 +27,10 @@ def _is_concrete(x) -> bool:
 
 
 def _values_readable(t: Tensor) -> bool:
-    if t.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(t):
+    # while torch.compile traces, values are unknown (Dynamo cannot trace is_fake either); the
+    # op's real kernel runs these checks again at run time
+    if torch.compiler.is_compiling() or t.device.type == "meta" \
+            or torch._subclasses.fake_tensor.is_fake(t):
         return False
     return t.device.type == "cpu" or env.check_values()
 
@@ -132,18 +135,26 @@ def check_cu_seqlens(cu_seqlens, q: Tensor) -> None:
 
 def check_cmp_rows(name: str, k_cmp: Tensor, q: Tensor, block_len: int, block_stride: int,
                    cu_seqlens: Optional[Tensor]) -> None:
-    """k_cmp must hold exactly num_cmp rows (per sequence, packed, in varlen)."""
+    """k_cmp must hold exactly the emitted rows (num_cmp(T), or sum_i num_cmp(S_i) packed per
+    sequence in varlen), or the padded count cmp_rows(T) = T // d + 2 that phi returns."""
+    T, rows = q.shape[1], k_cmp.shape[1]
+    if not (_is_concrete(T) and _is_concrete(rows)):
+        return
+    padded = cmp_rows(T, block_stride)
+    if rows == padded:
+        return
     if cu_seqlens is None:
-        T, rows = q.shape[1], k_cmp.shape[1]
-        if _is_concrete(T) and _is_concrete(rows) and rows != num_cmp(T, block_len, block_stride):
+        if rows != num_cmp(T, block_len, block_stride):
             _fail(f"{name} must have num_cmp(T) = {num_cmp(T, block_len, block_stride)} rows "
-                  f"for T={T}, l={block_len}, d={block_stride} ([B, num_cmp, H, D]), got {rows}")
+                  f"(emitted), or T // block_stride + 2 = {padded} (the padded layout phi "
+                  f"returns), for T={T}, l={block_len}, d={block_stride} ([B, rows, H, D]), "
+                  f"got {rows}")
     elif _values_readable(cu_seqlens):
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        want = int(num_cmp(lens, block_len, block_stride).sum())
-        if k_cmp.shape[1] != want:
-            _fail(f"{name} must pack sum_i num_cmp(S_i) = {want} rows for these cu_seqlens, "
-                  f"got {k_cmp.shape[1]}")
+        want = total_cmp(cu_seqlens, block_len, block_stride)
+        if rows != want:
+            _fail(f"{name} must pack sum_i num_cmp(S_i) = {want} rows for these cu_seqlens "
+                  f"(emitted), or T // block_stride + 2 = {padded} (the padded layout phi "
+                  f"returns) for T={T}, got {rows}")
 
 
 def check_lse(lse, q: Tensor) -> None:

@@ -1,9 +1,12 @@
-"""Decode through NSACache equals prefill at every position; the read counter equals reads(S)."""
+"""Decode through NSACache equals prefill at every position; the read counter equals reads(S).
+Under autocast the cache takes the dtype autocast gives k and v, and decode equals autocast
+prefill."""
 import pytest
 import torch
 
 from nsa_ops import NSAAttention, NSACache, NSAConfig, reference
 from nsa_ops.decode import decode_attention
+from helpers import TOL, rel_err
 
 # l=16, d=8, l'=16, n=4, w=24: T=300 crosses every cmp / selection / window boundary many times
 CFG = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=12,
@@ -37,11 +40,11 @@ def decode(m, x, cache, chunks):
     return torch.cat(outs, 1), torch.cat(reads)
 
 
-def chunk_sizes(seed):
+def chunk_sizes(seed, total=T):
     g = torch.Generator().manual_seed(seed)
     sizes, t = [], 0
-    while t < T:
-        sizes.append(min(T - t, int(torch.randint(3, 8, (), generator=g))))
+    while t < total:
+        sizes.append(min(total - t, int(torch.randint(3, 8, (), generator=g))))
         t += sizes[-1]
     return sizes
 
@@ -91,10 +94,11 @@ def test_cache_emits_compressed_rows_on_schedule():
             assert cache.num_cmp == reference.num_cmp(t + 1, c.block_len, c.block_stride)
         k, v = cache.selection_kv()
         k_cmp, v_cmp = cache.compressed_kv()
-        torch.testing.assert_close(k_cmp, m.phi_k(k, c.block_len, c.block_stride), atol=1e-12,
-                                   rtol=0)
-        torch.testing.assert_close(v_cmp, m.phi_v(v, c.block_len, c.block_stride), atol=1e-12,
-                                   rtol=0)
+        rows = k_cmp.shape[1]  # phi pads its output to cmp_rows(T): the emitted rows lead
+        torch.testing.assert_close(k_cmp, m.phi_k(k, c.block_len, c.block_stride)[:, :rows],
+                                   atol=1e-12, rtol=0)
+        torch.testing.assert_close(v_cmp, m.phi_v(v, c.block_len, c.block_stride)[:, :rows],
+                                   atol=1e-12, rtol=0)
 
 
 def test_decode_from_empty_cache_directly():
@@ -136,3 +140,83 @@ def test_cache_input_errors():
         m.float()(torch.randn(2, 1, 32), cache)
     with pytest.raises(ValueError, match="capacity must be a positive int"):
         NSACache(m.config, capacity=0)
+
+
+# ---- autocast ---------------------------------------------------------------------------------
+
+BF16 = dict(device_type="cpu", dtype=torch.bfloat16)
+T_AMP = 96  # crosses every compressed, selection and window boundary a few times
+
+
+def test_new_cache_takes_the_dtype_autocast_gives_k():
+    m = layer().float()
+    assert m.new_cache().dtype == m.kv_dtype() == torch.float32
+    with torch.autocast(**BF16):
+        assert m.kv_dtype() == torch.bfloat16
+        assert m.new_cache(2, capacity=8).dtype == torch.bfloat16
+        assert m.new_cache(dtype=torch.float32).dtype == torch.float32
+        assert layer().new_cache().dtype == torch.float64  # autocast leaves float64 alone
+        _, k, v = m._qkv(inputs(1).float()[:, :3], torch.arange(3))
+        assert k.dtype == v.dtype == m.kv_dtype()
+
+
+@pytest.mark.parametrize("phi, gate_act, B, tokens", [("mean", "sigmoid", 1, True),
+                                                      ("mlp", "softmax", 2, False)])
+def test_autocast_decode_equals_autocast_prefill(phi, gate_act, B, tokens):
+    """A float32 layer under bf16 autocast, as nsa_ops.train trains the gpu preset: a prompt
+    then single tokens, or random chunks."""
+    m = layer(phi, gate_act).float()
+    x = inputs(B).float()[:, :T_AMP]
+    chunks = [T_AMP // 2] + [1] * (T_AMP // 2) if tokens else chunk_sizes(B, T_AMP)
+    with torch.no_grad(), torch.autocast(**BF16):
+        ref = m(x)
+        cache = m.new_cache(B)
+        out, reads = decode(m, x, cache, chunks)
+    assert cache.dtype == out.dtype == ref.dtype == torch.bfloat16
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    # the same arithmetic as prefill's ops (float32 inside, autocast off): equal up to a few
+    # roundings; autocast's bf16 matmuls inside decode would be off by about 1e-2
+    assert rel_err(out, ref) < 1e-3
+    assert torch.equal(reads, expected_reads(m.config)[:T_AMP])
+
+
+def test_autocast_decode_rejects_a_cache_of_another_dtype():
+    m = layer().float()
+    cache = m.new_cache(1)  # float32: built outside the autocast that decoding runs in
+    with pytest.raises(ValueError, match=r"k must be torch.float32 on cpu like the cache, got "
+                                         r"torch.bfloat16 on cpu \(build the cache in k's dtype"):
+        with torch.no_grad(), torch.autocast(**BF16):
+            m(inputs(1).float()[:, :3], cache)
+
+
+@pytest.mark.gpu
+def test_gpu_autocast_decode_and_cuda_graph_equal_autocast_prefill():
+    """CUDA, float32 weights under bf16 autocast: eager decode (the Triton kernel) and a CUDA
+    graph step captured under autocast equal autocast prefill. The capture must not keep
+    autocast's cached weight casts, which die with the autocast context: replays run after it,
+    once other tensors have taken their memory."""
+    T = 600
+    torch.manual_seed(0)
+    m = NSAAttention(NSAConfig(hidden_size=256, num_heads=16, num_kv_heads=2, head_dim_qk=64,
+                               head_dim_v=64, max_position=T)).cuda()
+    with torch.no_grad():
+        m.gate[-1].weight.normal_(0, 0.3)
+    x = torch.randn(1, T, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    amp = dict(device_type="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        with torch.autocast(**amp):
+            ref = m(x)
+            eager, graphed = m.new_cache(1), m.new_cache(1)
+            assert eager.dtype == graphed.dtype == torch.bfloat16
+            with pytest.raises(ValueError, match=r"torch.bfloat16 on cuda:0: module.new_cache"):
+                m.cuda_graph_decoder(m.new_cache(1, dtype=torch.float32))
+            out = torch.cat([m(x[:, t:t + 1], eager) for t in range(T // 2)], 1)
+            m(x[:, :T // 2], graphed)
+            step = m.cuda_graph_decoder(graphed)
+        scratch = [torch.randn(1 << 20, device="cuda") for _ in range(64)]
+        stepped = torch.cat([step(x[:, t:t + 1]).clone() for t in range(T // 2, T)], 1)
+    del scratch
+    assert rel_err(out, ref[:, :T // 2]) < 2e-2
+    assert rel_err(stepped, ref[:, T // 2:]) < 2e-2
+    assert graphed.length == T
