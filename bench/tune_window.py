@@ -1,0 +1,60 @@
+"""Sweep the Triton sliding-window kernel's tiles at one shape against FA-2; prints median ms.
+
+    python bench/tune_window.py [--seqlen 65536] [--window 512]
+
+Used to fill `_GPU_TILES` in kernels/window.py (B=1, HQ=64, H=4, D=128, bf16: the 256-byte row
+tier). Each row replaces that tier's forward or backward TileConfig.
+"""
+import argparse
+
+import torch
+import triton.testing
+
+from nsa_ops.kernels import window as W
+
+HQ, H, D = 64, 4, 128
+FWD = ((128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+       (256, 64, 8, 2), (64, 128, 4, 2))
+BWD = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3),
+       (128, 128, 8, 1))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlen", type=int, default=65536)
+    p.add_argument("--window", type=int, default=512)
+    args = p.parse_args()
+    T, w = args.seqlen, args.window
+    torch.manual_seed(0)
+    q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    scale = D ** -0.5
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
+    o, lse = W.sliding_window_fwd(q, k, v, w, scale, backend="aten_fa2")
+    fa2 = (bench(lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="aten_fa2")),
+           bench(lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale,
+                                              backend="aten_fa2")))
+    print(f"T={T} w={w} aten_fa2: fwd {fa2[0]:.2f} ms, bwd {fa2[1]:.2f} ms", flush=True)
+    tiles = list(W._GPU_TILES)
+    tier = next(i for i, (limit, *_) in enumerate(tiles) if 2 * D <= limit)
+    limit, fwd0, bwd0 = tiles[tier]
+    for backward, variants in ((False, FWD), (True, BWD)):
+        for cfg in variants:
+            tile = W.TileConfig(*cfg)
+            W._GPU_TILES = tuple(tiles[:tier]) + (
+                (limit, fwd0, tile) if backward else (limit, tile, bwd0),) + tuple(tiles[tier + 1:])
+            fn = (lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale,
+                                               backend="triton")) if backward else \
+                (lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="triton"))
+            try:
+                ms = f"{bench(fn):.2f} ms"
+            except Exception as exc:  # out of shared memory / registers: report and go on
+                ms = type(exc).__name__
+            print(f"T={T} w={w} triton {'bwd' if backward else 'fwd'} {cfg}: {ms}", flush=True)
+        W._GPU_TILES = tuple(tiles)
+
+
+if __name__ == "__main__":
+    main()
