@@ -51,6 +51,25 @@ def token_layout(T: int, cu_seqlens: Optional[Tensor], device) -> tuple[Tensor, 
     return seq, t - cu[seq]
 
 
+def query_layout(T: int, cu_seqlens: Optional[Tensor], device, seqlen_k: Optional[int] = None,
+                 cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Per query row: (sequence id, the key position it sits at), both int64 [T].
+
+    Queries are bottom-right aligned with their keys, as in flash-attn's causal attention with
+    unequal lengths: row i of a sequence of Tq queries over Tk keys sits at key position
+    Tk - Tq + i (chunked prefill over a cache, context parallelism). Fixed length: Tk = seqlen_k
+    (default T); varlen: the lengths of cu_seqlens_k (default cu_seqlens) against cu_seqlens.
+    """
+    seq, pos = token_layout(T, cu_seqlens, device)
+    if cu_seqlens is None:
+        return seq, pos + ((seqlen_k if seqlen_k is not None else T) - T)
+    if cu_seqlens_k is None:
+        return seq, pos
+    lens_q, lens_k = ((cu[1:] - cu[:-1]).to(device=device, dtype=torch.int64)
+                      for cu in (cu_seqlens, cu_seqlens_k))
+    return seq, pos + (lens_k - lens_q)[seq]
+
+
 def token_starts(T: int, cu_seqlens: Optional[Tensor], device) -> Tensor:
     """First packed token of every token's sequence, int32 [T] (all 0 without cu_seqlens)."""
     if cu_seqlens is None:
@@ -233,10 +252,13 @@ def masked_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
 # --------------------------------------------------------------------------------------------
 
 def compressed_mask_fn(T: int, num_rows: int, block_len: int, block_stride: int,
-                       cu_seqlens: Optional[Tensor], device) -> MaskFn:
-    """Query t sees compressed block i of its own sequence iff i*d + l - 1 <= t."""
-    seq, pos = token_layout(T, cu_seqlens, device)
-    cseq, cidx = cmp_layout(num_rows, cu_seqlens, block_len, block_stride, device)
+                       cu_seqlens: Optional[Tensor], device, seqlen_k: Optional[int] = None,
+                       cu_seqlens_k: Optional[Tensor] = None) -> MaskFn:
+    """Query at position p sees compressed block i of its own sequence iff i*d + l - 1 <= p.
+    Rows are packed per key sequence (cu_seqlens_k, default cu_seqlens); see query_layout."""
+    seq, pos = query_layout(T, cu_seqlens, device, seqlen_k, cu_seqlens_k)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    cseq, cidx = cmp_layout(num_rows, cu_k, block_len, block_stride, device)
     last = cidx * block_stride + block_len - 1
 
     def mask_fn(t0: int, t1: int) -> Tensor:
@@ -245,13 +267,17 @@ def compressed_mask_fn(T: int, num_rows: int, block_len: int, block_stride: int,
     return mask_fn
 
 
-def window_mask_fn(T: int, window: int, cu_seqlens: Optional[Tensor], device) -> MaskFn:
-    """Query t sees tokens (t - w, t] of its own sequence."""
-    seq, pos = token_layout(T, cu_seqlens, device)
+def window_mask_fn(T: int, window: int, cu_seqlens: Optional[Tensor], device,
+                   seqlen_k: Optional[int] = None,
+                   cu_seqlens_k: Optional[Tensor] = None) -> MaskFn:
+    """Query at position p sees keys (p - w, p] of its own sequence (see query_layout)."""
+    seq, pos = query_layout(T, cu_seqlens, device, seqlen_k, cu_seqlens_k)
+    Tk = T if seqlen_k is None else seqlen_k
+    kseq, kpos = token_layout(Tk, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, device)
 
     def mask_fn(t0: int, t1: int) -> Tensor:
-        d = pos[t0:t1, None] - pos[None]
-        m = (seq[t0:t1, None] == seq[None]) & (d >= 0) & (d < window)
+        d = pos[t0:t1, None] - kpos[None]
+        m = (seq[t0:t1, None] == kseq[None]) & (d >= 0) & (d < window)
         return m[None, None]
     return mask_fn
 
@@ -269,13 +295,17 @@ def distinct_slots(block_idx: Tensor) -> Tensor:
     return (idx >= 0) & ~torch.empty_like(repeat).scatter_(-1, perm, repeat)
 
 
-def selection_mask_fn(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor]) -> MaskFn:
-    """Query t sees tokens of its selected blocks (per KV head), clamped causally."""
+def selection_mask_fn(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor],
+                      seqlen_k: Optional[int] = None,
+                      cu_seqlens_k: Optional[Tensor] = None) -> MaskFn:
+    """Query at position p sees the keys of its selected blocks (per KV head) up to p."""
     B, T, H, n = block_idx.shape
     device = block_idx.device
-    seq, pos = token_layout(T, cu_seqlens, device)
-    nblk = -(-T // sel_block)
-    key_blk = pos // sel_block  # [S]
+    seq, pos = query_layout(T, cu_seqlens, device, seqlen_k, cu_seqlens_k)
+    Tk = T if seqlen_k is None else seqlen_k
+    kseq, kpos = token_layout(Tk, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, device)
+    nblk = -(-Tk // sel_block)
+    key_blk = kpos // sel_block  # [S]
 
     def mask_fn(t0: int, t1: int) -> Tensor:
         idx = block_idx[:, t0:t1].to(torch.int64)
@@ -284,7 +314,7 @@ def selection_mask_fn(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Te
         sel = torch.zeros(B, t1 - t0, H, nblk + 1, dtype=torch.bool, device=device)
         sel.scatter_(-1, idx, True)
         allowed = sel[..., key_blk]  # [B, tc, H, S]
-        causal = (seq[t0:t1, None] == seq[None]) & (pos[None] <= pos[t0:t1, None])  # [tc, S]
+        causal = (seq[t0:t1, None] == kseq[None]) & (kpos[None] <= pos[t0:t1, None])  # [tc, S]
         return (allowed & causal[None, :, None]).permute(0, 2, 1, 3)
     return mask_fn
 
@@ -295,42 +325,49 @@ def selection_mask_fn(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Te
 
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
                          scale: float, cu_seqlens: Optional[Tensor] = None,
-                         chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
+                         chunk: int = DEFAULT_CHUNK, *, seqlen_k: Optional[int] = None,
+                         cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """seqlen_k / cu_seqlens_k: the keys k_cmp was compressed from, when queries sit at an offset
+    (see query_layout); cu_seqlens then holds the queries' lengths."""
     mask_fn = compressed_mask_fn(q.shape[1], k_cmp.shape[1], block_len, block_stride, cu_seqlens,
-                                 q.device)
+                                 q.device, seqlen_k, cu_seqlens_k)
     return masked_attention(q, k_cmp, v_cmp, mask_fn, scale, chunk)
 
 
 def compressed_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale,
-                                  cu_seqlens=None, chunk: int = DEFAULT_CHUNK):
+                                  cu_seqlens=None, chunk: int = DEFAULT_CHUNK, *, seqlen_k=None,
+                                  cu_seqlens_k=None):
     mask_fn = compressed_mask_fn(q.shape[1], k_cmp.shape[1], block_len, block_stride, cu_seqlens,
-                                 q.device)
+                                 q.device, seqlen_k, cu_seqlens_k)
     return masked_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse, mask_fn, scale, chunk)
 
 
 def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
-                             cu_seqlens: Optional[Tensor] = None,
-                             chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
-    return masked_attention(q, k, v, window_mask_fn(q.shape[1], window, cu_seqlens, q.device),
-                            scale, chunk)
+                             cu_seqlens: Optional[Tensor] = None, chunk: int = DEFAULT_CHUNK, *,
+                             cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """k/v may be longer than q (queries at an offset, see query_layout)."""
+    mask_fn = window_mask_fn(q.shape[1], window, cu_seqlens, q.device, k.shape[1], cu_seqlens_k)
+    return masked_attention(q, k, v, mask_fn, scale, chunk)
 
 
 def sliding_window_attention_backward(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens=None,
-                                      chunk: int = DEFAULT_CHUNK):
-    mask_fn = window_mask_fn(q.shape[1], window, cu_seqlens, q.device)
+                                      chunk: int = DEFAULT_CHUNK, *, cu_seqlens_k=None):
+    mask_fn = window_mask_fn(q.shape[1], window, cu_seqlens, q.device, k.shape[1], cu_seqlens_k)
     return masked_attention_backward(q, k, v, o, lse, do, dlse, mask_fn, scale, chunk)
 
 
 def selection_attention(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
                         scale: float, cu_seqlens: Optional[Tensor] = None,
-                        chunk: int = DEFAULT_CHUNK) -> tuple[Tensor, Tensor]:
-    return masked_attention(q, k, v, selection_mask_fn(block_idx, sel_block, cu_seqlens), scale,
-                            chunk)
+                        chunk: int = DEFAULT_CHUNK, *,
+                        cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """k/v may be longer than q (queries at an offset, see query_layout)."""
+    mask_fn = selection_mask_fn(block_idx, sel_block, cu_seqlens, k.shape[1], cu_seqlens_k)
+    return masked_attention(q, k, v, mask_fn, scale, chunk)
 
 
 def selection_attention_backward(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
-                                 cu_seqlens=None, chunk: int = DEFAULT_CHUNK):
-    mask_fn = selection_mask_fn(block_idx, sel_block, cu_seqlens)
+                                 cu_seqlens=None, chunk: int = DEFAULT_CHUNK, *, cu_seqlens_k=None):
+    mask_fn = selection_mask_fn(block_idx, sel_block, cu_seqlens, k.shape[1], cu_seqlens_k)
     return masked_attention_backward(q, k, v, o, lse, do, dlse, mask_fn, scale, chunk)
 
 
@@ -370,16 +407,29 @@ def topn_blocks(score: Tensor, pos: Tensor, sel_block: int, num_sel: int) -> Ten
     return torch.where(picked == key.shape[-1], -1, picked).to(torch.int32)
 
 
+def _key_span(T: int, rows: int, block_len: int, block_stride: int, seqlen_k: Optional[int],
+              cu_seqlens_k: Optional[Tensor]) -> int:
+    """Tokens that bound every key sequence's length: T, or seqlen_k for queries at an offset;
+    with cu_seqlens_k, what `rows` compressed rows can come from (no sequence is longer)."""
+    if cu_seqlens_k is not None:
+        return (rows + 1) * block_stride + block_len
+    return T if seqlen_k is None else seqlen_k
+
+
 def _block_scorer(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
-                  sel_block: int, scale: float, cu_seqlens: Optional[Tensor]):
+                  sel_block: int, scale: float, cu_seqlens: Optional[Tensor],
+                  seqlen_k: Optional[int] = None, cu_seqlens_k: Optional[Tensor] = None):
     """score(t0, t1) -> Eq.10 scores of query rows t0..t1; masks and Eq.9 weights built once."""
-    T = q.shape[1]
+    T, rows = q.shape[1], k_cmp.shape[1]
     H = k_cmp.shape[2]
     cdt = compute_dtype(q.dtype)
-    mask_fn = compressed_mask_fn(T, k_cmp.shape[1], block_len, block_stride, cu_seqlens, q.device)
-    _, cidx = cmp_layout(k_cmp.shape[1], cu_seqlens, block_len, block_stride, q.device)
+    mask_fn = compressed_mask_fn(T, rows, block_len, block_stride, cu_seqlens, q.device, seqlen_k,
+                                 cu_seqlens_k)
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    _, cidx = cmp_layout(rows, cu_k, block_len, block_stride, q.device)
+    span = _key_span(T, rows, block_len, block_stride, seqlen_k, cu_seqlens_k)
     overlap = overlap_matrix(cidx, block_len, block_stride, sel_block,
-                             max(1, -(-T // sel_block))).to(cdt)
+                             max(1, -(-span // sel_block))).to(cdt)
     k32 = k_cmp.to(cdt)
 
     def score(t0: int, t1: int) -> Tensor:
@@ -401,12 +451,15 @@ def block_scores(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_st
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
                   sel_block: int, num_sel: int, scale: float, cu_seqlens: Optional[Tensor] = None,
-                  chunk: int = DEFAULT_CHUNK) -> Tensor:
-    """block_idx int32 [B,T,H,num_sel]: top-n of the Eq.10 scores with the forced blocks."""
+                  chunk: int = DEFAULT_CHUNK, *, seqlen_k: Optional[int] = None,
+                  cu_seqlens_k: Optional[Tensor] = None) -> Tensor:
+    """block_idx int32 [B,T,H,num_sel]: top-n of the Eq.10 scores with the forced blocks
+    (seqlen_k / cu_seqlens_k: queries at an offset, see query_layout)."""
     B, T = q.shape[:2]
     H = k_cmp.shape[2]
-    _, pos = token_layout(T, cu_seqlens, q.device)
-    score = _block_scorer(q, k_cmp, lse, block_len, block_stride, sel_block, scale, cu_seqlens)
+    _, pos = query_layout(T, cu_seqlens, q.device, seqlen_k, cu_seqlens_k)
+    score = _block_scorer(q, k_cmp, lse, block_len, block_stride, sel_block, scale, cu_seqlens,
+                          seqlen_k, cu_seqlens_k)
     out = []
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
