@@ -144,21 +144,26 @@ def _unit_last_stride(ir, V, x):
     return ir.ExternKernel.require_contiguous(x)
 
 
-def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=None):
+def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=None,
+                              cu_seqlens_q=None, cu_seqlens_k=None):
     from torch._inductor.lowering import fallback_handler
 
     def fallback():
         return fallback_handler(torch.ops.nsa.selection_attention.default,
                                 add_to_fallback_set=False)(q, k, v, block_idx, sel_block, scale,
-                                                           cu_seqlens)
+                                                           cu_seqlens, cu_seqlens_q, cu_seqlens_k)
 
     device = q.get_device()
-    if device is None or device.type != "cuda" or cu_seqlens is not None:
+    varlen = any(cu is not None for cu in (cu_seqlens, cu_seqlens_q, cu_seqlens_k))
+    if device is None or device.type != "cuda" or varlen:
         return fallback()
     api = inductor_api()
     if api is None:
         return fallback()
     V, ir = api.V, api.ir
+    # queries at an offset (Tq < Tk): the template aligns queries with their keys
+    if not V.graph.sizevars.statically_known_equals(q.get_size()[1], k.get_size()[1]):
+        return fallback()
     B, T = q.get_size()[:2]
     # heads, head dims and slots are static: they pick the template's constexprs
     HQ, Dk, H, Dv, n = (V.graph.sizevars.guard_int(d) for d in (

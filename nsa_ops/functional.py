@@ -36,7 +36,9 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
                   block_len: int = 32, block_stride: int = 16, sel_block: int = 64,
                   num_sel: int = 16, window: int = 512,
                   phi: Union[str, Phi, tuple[Phi, Phi]] = "mean", scale: Optional[float] = None,
-                  cu_seqlens: Optional[Tensor] = None, block_idx: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens: Optional[Tensor] = None, block_idx: Optional[Tensor] = None,
+                  cu_seqlens_q: Optional[Tensor] = None,
+                  cu_seqlens_k: Optional[Tensor] = None) -> Tensor:
     """Native Sparse Attention: o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win.
 
     q [B,T,HQ,Dk], k [B,T,H,Dk], v [B,T,H,Dv], gates [B,T,HQ] (already activated). Varlen: B == 1
@@ -45,9 +47,15 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     block_idx [B,T,H,num_sel] overrides the learned selection (e.g. to reuse it across layers).
     window=0 leaves the sliding-window branch out, like fla's window_size=0 (the spec's empty
     window would give o_win = 0); g_win may then be None.
+
+    Queries at an offset: k/v may be longer than q (Tq <= Tk); query i then sits at key position
+    Tk - Tq + i, as in flash-attn's causal attention with unequal lengths (the last Tq rows of
+    the full computation: chunked prefill, context parallelism). Varlen: cu_seqlens_q with
+    cu_seqlens_k instead of cu_seqlens, each sequence's queries at the end of its keys.
     """
     check.check_qkv(q, k, v)
-    check.check_same_length(q, k)
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    check.check_key_length(q, k.shape[1], cu_q, cu_k)
     check.check_block_params(block_len, block_stride, sel_block, num_sel)
     check.check_window(window)
     gates = [("g_cmp", g_cmp), ("g_slc", g_slc)]
@@ -57,20 +65,26 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
         g_win = None  # no window branch: its gate has nothing to weigh
     for name, g in gates:
         check.check_gate(name, g, q)
-    check.check_cu_seqlens(cu_seqlens, q)
+    check.check_cu_seqlens(cu_q, q)
+    check.check_cu_seqlens_k(cu_k, cu_q, q, k.shape[1])
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     check.check_scale(scale)
     phi_k, phi_v = _resolve_phi(phi)
 
-    k_cmp = phi_k(k, block_len, block_stride, cu_seqlens)
-    v_cmp = phi_v(v, block_len, block_stride, cu_seqlens)
+    # keys compress over their own sequences; the ops place the queries at their ends
+    cu_keys = cu_q if cu_k is None else cu_k
+    k_cmp = phi_k(k, block_len, block_stride, cu_keys)
+    v_cmp = phi_v(v, block_len, block_stride, cu_keys)
+    seqs = dict(cu_seqlens=cu_q) if cu_k is None else dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    offset = cu_q is None and k.shape[1] != q.shape[1]
+    cmp_keys = dict(seqs, seqlen_k=k.shape[1]) if offset else seqs
     o_cmp, lse_cmp = ops.compressed_attention(q, k_cmp, v_cmp, block_len, block_stride, scale,
-                                              cu_seqlens)
+                                              **cmp_keys)
     if block_idx is None:
         block_idx = ops.select_blocks(q, k_cmp, lse_cmp, block_len, block_stride, sel_block,
-                                      num_sel, scale, cu_seqlens)
-    o_slc, _ = ops.selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens)
-    o_win = ops.sliding_window_attention(q, k, v, window, scale, cu_seqlens)[0] if window else None
+                                      num_sel, scale, **cmp_keys)
+    o_slc, _ = ops.selection_attention(q, k, v, block_idx, sel_block, scale, **seqs)
+    o_win = ops.sliding_window_attention(q, k, v, window, scale, **seqs)[0] if window else None
     if torch.compiler.is_compiling():
         # Inductor fuses the expression, into the selection template's epilogue where it can;
         # the op would be an opaque call

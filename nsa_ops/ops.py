@@ -21,18 +21,32 @@ from .routing import Inputs
 _DEVICES = ("cpu", "cuda")
 
 
-def _route(op: str, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> routing.Route:
-    return routing.choose(op, Inputs.of(q, v, cu_seqlens))
+def _route(op: str, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor],
+           offset: bool = False) -> routing.Route:
+    return routing.choose(op, Inputs.of(q, v, cu_seqlens, offset))
 
 
 def _compressed_route(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
-                      cu_seqlens: Optional[Tensor]) -> routing.Route:
-    x = Inputs.of_compressed(q, v_cmp, block_len, block_stride, cu_seqlens)
+                      cu_seqlens: Optional[Tensor], offset: bool) -> routing.Route:
+    x = Inputs.of_compressed(q, v_cmp, block_len, block_stride, cu_seqlens, offset)
     return routing.choose("compressed_attention", x)
 
 
-def _call(target: str, route: routing.Route, *args):
-    """Run an implementation; its outputs come back contiguous, as the fake kernels promise.
+def _keys(q: Tensor, Tk, cu_seqlens_k: Optional[Tensor], seqlen_k=None) -> tuple[dict, bool]:
+    """(keyword arguments that place the queries at the end of longer keys, for the routes that
+    take them, whether the queries sit at an offset): the routing table sends offset calls only
+    to routes that take them; ({}, False) when queries align with their keys."""
+    kw = {}
+    if cu_seqlens_k is not None:
+        kw["cu_seqlens_k"] = cu_seqlens_k
+    if seqlen_k is not None and seqlen_k != q.shape[1]:
+        kw["seqlen_k"] = seqlen_k
+    return kw, bool(kw) or (Tk is not None and Tk != q.shape[1])
+
+
+def _call(target: str, route: routing.Route, *args, **keys):
+    """Run an implementation (keys: `_keys`'s arguments); its outputs come back contiguous, as
+    the fake kernels promise.
 
     Implementations may follow their inputs' layout (FA-2 and TensorIterator arithmetic do, so a
     head-major q would give a head-major o or dq); the op's contract is one layout on every route.
@@ -40,7 +54,7 @@ def _call(target: str, route: routing.Route, *args):
     # inputs arrive in the dtypes the caller's autocast chose; inside, the implementation's own
     # precision rules hold (float32 lse, float32 accumulation), not autocast's per-op casts
     with torch.autocast(args[0].device.type, enabled=False):
-        out = routing.resolve(target)(*args, **dict(route.options))
+        out = routing.resolve(target)(*args, **keys, **dict(route.options))
     if isinstance(out, Tensor):
         return out.contiguous()
     return tuple(t.contiguous() for t in out)
@@ -74,17 +88,27 @@ def _do_or_zeros(o: Tensor, do: Optional[Tensor]) -> Tensor:
 
 @custom_op("nsa::compressed_attention", mutates_args=(), device_types=_DEVICES)
 def compressed_attention(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len: int,
-                         block_stride: int, scale: float,
-                         cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    check.compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens)
-    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens)
-    return _call(route.forward, route, q, k_cmp, v_cmp, block_len, block_stride, scale,
-                 cu_seqlens)
+                         block_stride: int, scale: float, cu_seqlens: Optional[Tensor] = None,
+                         cu_seqlens_q: Optional[Tensor] = None,
+                         cu_seqlens_k: Optional[Tensor] = None,
+                         seqlen_k: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """seqlen_k (fixed length) or cu_seqlens_q with cu_seqlens_k (varlen): the keys k_cmp was
+    compressed from, when the queries are the last ones of longer sequences."""
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    check.compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_q, cu_k,
+                                    seqlen_k)
+    kw, offset = _keys(q, None, cu_k, seqlen_k)
+    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_q, offset)
+    return _call(route.forward, route, q, k_cmp, v_cmp, block_len, block_stride, scale, cu_q,
+                 **kw)
 
 
 @compressed_attention.register_fake
-def _(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens=None):
-    check.compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens)
+def _(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens=None, cu_seqlens_q=None,
+      cu_seqlens_k=None, seqlen_k=None):
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    check.compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_q, cu_k,
+                                    seqlen_k)
     return _fake_attention(q, v_cmp)
 
 
@@ -92,31 +116,37 @@ def _(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens=None):
 def compressed_attention_backward(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor, lse: Tensor,
                                   do: Tensor, dlse: Optional[Tensor], block_len: int,
                                   block_stride: int, scale: float,
-                                  cu_seqlens: Optional[Tensor] = None
+                                  cu_seqlens: Optional[Tensor] = None,
+                                  cu_seqlens_k: Optional[Tensor] = None,
+                                  seqlen_k: Optional[int] = None
                                   ) -> tuple[Tensor, Tensor, Tensor]:
-    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens)
+    kw, offset = _keys(q, None, cu_seqlens_k, seqlen_k)
+    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens, offset)
     return _call(route.backward, route, q, k_cmp, v_cmp, o, lse, do, dlse, block_len,
-                 block_stride, scale, cu_seqlens)
+                 block_stride, scale, cu_seqlens, **kw)
 
 
 @compressed_attention_backward.register_fake
-def _(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale, cu_seqlens=None):
+def _(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale, cu_seqlens=None,
+      cu_seqlens_k=None, seqlen_k=None):
     return _fake_grads(q, k_cmp, v_cmp)
 
 
 def _setup_compressed(ctx, inputs, output):
-    q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens = inputs
-    ctx.save_for_backward(q, k_cmp, v_cmp, *output, cu_seqlens)
+    q, k_cmp, v_cmp, block_len, block_stride, scale, cu, cu_q, cu_k, seqlen_k = inputs
+    cu_q, cu_k = check.seqlens_pair(cu, cu_q, cu_k)
+    ctx.save_for_backward(q, k_cmp, v_cmp, *output, cu_q, cu_k)
     ctx.set_materialize_grads(False)
     ctx.params = (block_len, block_stride, scale)
+    ctx.seqlen_k = seqlen_k
 
 
 def _backward_compressed(ctx, do, dlse):
-    q, k_cmp, v_cmp, o, lse, cu_seqlens = ctx.saved_tensors
+    q, k_cmp, v_cmp, o, lse, cu_q, cu_k = ctx.saved_tensors
     do = _do_or_zeros(o, do)
     dq, dk, dv = compressed_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse, *ctx.params,
-                                               cu_seqlens)
-    return dq, dk, dv, None, None, None, None
+                                               cu_q, cu_k, ctx.seqlen_k)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 compressed_attention.register_autograd(_backward_compressed, setup_context=_setup_compressed)
@@ -127,25 +157,31 @@ compressed_attention.register_autograd(_backward_compressed, setup_context=_setu
 @custom_op("nsa::select_blocks", mutates_args=(), device_types=_DEVICES)
 def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
                   sel_block: int, num_sel: int, scale: float,
-                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+                  cu_seqlens_k: Optional[Tensor] = None,
+                  seqlen_k: Optional[int] = None) -> Tensor:
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
     check.select_blocks_args(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale,
-                             cu_seqlens)
-    route = _route("select_blocks", q, k_cmp, cu_seqlens)
+                             cu_q, cu_k, seqlen_k)
+    kw, offset = _keys(q, None, cu_k, seqlen_k)
+    route = _route("select_blocks", q, k_cmp, cu_q, offset)
     return _call(route.forward, route, q, k_cmp, lse, block_len, block_stride, sel_block, num_sel,
-                 scale, cu_seqlens)
+                 scale, cu_q, **kw)
 
 
 @select_blocks.register_fake
-def _(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale, cu_seqlens=None):
+def _(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale, cu_seqlens=None,
+      cu_seqlens_q=None, cu_seqlens_k=None, seqlen_k=None):
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
     check.select_blocks_args(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale,
-                             cu_seqlens)
+                             cu_q, cu_k, seqlen_k)
     B, T = q.shape[:2]
     return q.new_empty(B, T, k_cmp.shape[2], num_sel, dtype=torch.int32)
 
 
 def _no_grad_select(ctx, grad):
     # top-n is piecewise constant: no gradient reaches q, k_cmp or lse through the indices
-    return (None,) * 9
+    return (None,) * 12
 
 
 select_blocks.register_autograd(_no_grad_select, setup_context=lambda ctx, inputs, output: None)
@@ -155,16 +191,23 @@ select_blocks.register_autograd(_no_grad_select, setup_context=lambda ctx, input
 
 @custom_op("nsa::selection_attention", mutates_args=(), device_types=_DEVICES)
 def selection_attention(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
-                        scale: float, cu_seqlens: Optional[Tensor] = None
-                        ) -> tuple[Tensor, Tensor]:
-    check.selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_seqlens)
-    route = _route("selection_attention", q, v, cu_seqlens)
-    return _call(route.forward, route, q, k, v, block_idx, sel_block, scale, cu_seqlens)
+                        scale: float, cu_seqlens: Optional[Tensor] = None,
+                        cu_seqlens_q: Optional[Tensor] = None,
+                        cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """k/v may be longer than q: queries sit at the last Tq key positions (per sequence with
+    cu_seqlens_q / cu_seqlens_k), block_idx [B, Tq, H, n] names blocks of the keys."""
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    check.selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_q, cu_k)
+    kw, offset = _keys(q, k.shape[1], cu_k)
+    route = _route("selection_attention", q, v, cu_q, offset)
+    return _call(route.forward, route, q, k, v, block_idx, sel_block, scale, cu_q, **kw)
 
 
 @selection_attention.register_fake
-def _(q, k, v, block_idx, sel_block, scale, cu_seqlens=None):
-    check.selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_seqlens)
+def _(q, k, v, block_idx, sel_block, scale, cu_seqlens=None, cu_seqlens_q=None,
+      cu_seqlens_k=None):
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    check.selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_q, cu_k)
     return _fake_attention(q, v)
 
 
@@ -172,31 +215,35 @@ def _(q, k, v, block_idx, sel_block, scale, cu_seqlens=None):
 def selection_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                                  do: Tensor, dlse: Optional[Tensor], block_idx: Tensor,
                                  sel_block: int, scale: float,
-                                 cu_seqlens: Optional[Tensor] = None
+                                 cu_seqlens: Optional[Tensor] = None,
+                                 cu_seqlens_k: Optional[Tensor] = None
                                  ) -> tuple[Tensor, Tensor, Tensor]:
-    route = _route("selection_attention", q, v, cu_seqlens)
+    kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
+    route = _route("selection_attention", q, v, cu_seqlens, offset)
     return _call(route.backward, route, q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
-                 cu_seqlens)
+                 cu_seqlens, **kw)
 
 
 @selection_attention_backward.register_fake
-def _(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale, cu_seqlens=None):
+def _(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale, cu_seqlens=None,
+      cu_seqlens_k=None):
     return _fake_grads(q, k, v)
 
 
 def _setup_selection(ctx, inputs, output):
-    q, k, v, block_idx, sel_block, scale, cu_seqlens = inputs
-    ctx.save_for_backward(q, k, v, *output, block_idx, cu_seqlens)
+    q, k, v, block_idx, sel_block, scale, cu, cu_q, cu_k = inputs
+    cu_q, cu_k = check.seqlens_pair(cu, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, *output, block_idx, cu_q, cu_k)
     ctx.set_materialize_grads(False)
     ctx.params = (sel_block, scale)
 
 
 def _backward_selection(ctx, do, dlse):
-    q, k, v, o, lse, block_idx, cu_seqlens = ctx.saved_tensors
+    q, k, v, o, lse, block_idx, cu_q, cu_k = ctx.saved_tensors
     do = _do_or_zeros(o, do)
     dq, dk, dv = selection_attention_backward(q, k, v, o, lse, do, dlse, block_idx, *ctx.params,
-                                              cu_seqlens)
-    return dq, dk, dv, None, None, None, None
+                                              cu_q, cu_k)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 selection_attention.register_autograd(_backward_selection, setup_context=_setup_selection)
@@ -206,45 +253,56 @@ selection_attention.register_autograd(_backward_selection, setup_context=_setup_
 
 @custom_op("nsa::sliding_window_attention", mutates_args=(), device_types=_DEVICES)
 def sliding_window_attention(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
-                             cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    check.sliding_window_attention_args(q, k, v, window, scale, cu_seqlens)
-    route = _route("sliding_window_attention", q, v, cu_seqlens)
-    return _call(route.forward, route, q, k, v, window, scale, cu_seqlens)
+                             cu_seqlens: Optional[Tensor] = None,
+                             cu_seqlens_q: Optional[Tensor] = None,
+                             cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """k/v may be longer than q: queries sit at the last Tq key positions (per sequence with
+    cu_seqlens_q / cu_seqlens_k)."""
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    check.sliding_window_attention_args(q, k, v, window, scale, cu_q, cu_k)
+    kw, offset = _keys(q, k.shape[1], cu_k)
+    route = _route("sliding_window_attention", q, v, cu_q, offset)
+    return _call(route.forward, route, q, k, v, window, scale, cu_q, **kw)
 
 
 @sliding_window_attention.register_fake
-def _(q, k, v, window, scale, cu_seqlens=None):
-    check.sliding_window_attention_args(q, k, v, window, scale, cu_seqlens)
+def _(q, k, v, window, scale, cu_seqlens=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    check.sliding_window_attention_args(q, k, v, window, scale, cu_q, cu_k)
     return _fake_attention(q, v)
 
 
 @custom_op("nsa::sliding_window_attention_backward", mutates_args=(), device_types=_DEVICES)
 def sliding_window_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
                                       do: Tensor, dlse: Optional[Tensor], window: int,
-                                      scale: float, cu_seqlens: Optional[Tensor] = None
+                                      scale: float, cu_seqlens: Optional[Tensor] = None,
+                                      cu_seqlens_k: Optional[Tensor] = None
                                       ) -> tuple[Tensor, Tensor, Tensor]:
-    route = _route("sliding_window_attention", q, v, cu_seqlens)
-    return _call(route.backward, route, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens)
+    kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
+    route = _route("sliding_window_attention", q, v, cu_seqlens, offset)
+    return _call(route.backward, route, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens,
+                 **kw)
 
 
 @sliding_window_attention_backward.register_fake
-def _(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens=None):
+def _(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens=None, cu_seqlens_k=None):
     return _fake_grads(q, k, v)
 
 
 def _setup_window(ctx, inputs, output):
-    q, k, v, window, scale, cu_seqlens = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    q, k, v, window, scale, cu, cu_q, cu_k = inputs
+    cu_q, cu_k = check.seqlens_pair(cu, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
     ctx.set_materialize_grads(False)
     ctx.params = (window, scale)
 
 
 def _backward_window(ctx, do, dlse):
-    q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     do = _do_or_zeros(o, do)
     dq, dk, dv = sliding_window_attention_backward(q, k, v, o, lse, do, dlse, *ctx.params,
-                                                   cu_seqlens)
-    return dq, dk, dv, None, None, None
+                                                   cu_q, cu_k)
+    return dq, dk, dv, None, None, None, None, None
 
 
 sliding_window_attention.register_autograd(_backward_window, setup_context=_setup_window)

@@ -55,17 +55,18 @@ class Inputs:
     varlen: bool = False
     decode: Optional[DecodeGeometry] = None
     compressed: Optional[CompressedGeometry] = None
+    offset: bool = False  # queries at the end of longer keys (Tq < Tk, or cu_seqlens_k given)
 
     @staticmethod
-    def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None) -> "Inputs":
+    def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False) -> "Inputs":
         sm = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
         return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], q.shape[1],
-                      cu_seqlens is not None)
+                      cu_seqlens is not None, offset=offset)
 
     @staticmethod
     def of_compressed(q: torch.Tensor, v_cmp: torch.Tensor, block_len: int, block_stride: int,
-                      cu_seqlens=None) -> "Inputs":
-        return dataclasses.replace(Inputs.of(q, v_cmp, cu_seqlens),
+                      cu_seqlens=None, offset: bool = False) -> "Inputs":
+        return dataclasses.replace(Inputs.of(q, v_cmp, cu_seqlens, offset),
                                    compressed=CompressedGeometry(block_len, block_stride))
 
     @staticmethod
@@ -163,6 +164,13 @@ def _always(x: Inputs) -> Optional[str]:
     return None
 
 
+def _no_offset(x: Inputs) -> Optional[str]:
+    if x.offset:
+        return ("queries at an offset (Tq < Tk, or cu_seqlens_k): this kernel aligns queries with "
+                "their keys, the reference serves them")
+    return None
+
+
 # Selection blocks (padded to a power of two) whose scores one decode program keeps in registers:
 # a cache capacity of at most 8192 * l' tokens (512k at l' = 64).
 DECODE_MAX_SEL_BLOCKS = 8192
@@ -252,12 +260,14 @@ def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
     return None
 
 
-_triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256))
-_fa2_common = _first(_needs_cuda, _needs_sm80, _half_only("FlashAttention-2"),
+_triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256),
+                 _no_offset)
+_fa2_common = _first(_needs_cuda, _no_offset, _needs_sm80, _half_only("FlashAttention-2"),
                      _equal_head_dims("FlashAttention-2"), _head_dims_upto(256),
                      _head_dim_multiple_of_8("FlashAttention-2"))
 # head dims up to 128: the shapes measured
-_cudnn_compressed = _first(_needs_cuda, _needs_triton, _needs_sm80, _half_only("cuDNN attention"),
+_cudnn_compressed = _first(_needs_cuda, _no_offset, _needs_triton, _needs_sm80,
+                           _half_only("cuDNN attention"),
                            _equal_head_dims("cuDNN attention"), _head_dims_upto(128),
                            _head_dim_multiple_of_8("cuDNN attention"), _residue_views_fit,
                            _has_cudnn9)

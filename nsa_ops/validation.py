@@ -106,10 +106,68 @@ def check_qkv(q, k, v, k_name: str = "k", v_name: str = "v") -> None:
         _fail(f"q heads HQ={HQ} must be a multiple of {k_name} heads H={H} (GQA group HQ/H)")
 
 
-def check_same_length(q: Tensor, k: Tensor) -> None:
-    if k.shape[1] != q.shape[1]:
-        _fail(f"k must have the same length T={q.shape[1]} as q ([B, T, H, Dk]), "
-              f"got {tuple(k.shape)}")
+def seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k) -> tuple:
+    """(query cu_seqlens, key cu_seqlens or None for the same lengths). cu_seqlens is the
+    equal-length shorthand; cu_seqlens_q and cu_seqlens_k come together, as in flash-attn."""
+    if cu_seqlens is not None and (cu_seqlens_q is not None or cu_seqlens_k is not None):
+        _fail("pass cu_seqlens (queries and keys of equal lengths) or cu_seqlens_q with "
+              "cu_seqlens_k, not both")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        _fail(f"cu_seqlens_q and cu_seqlens_k must be given together, got "
+              f"cu_seqlens_q {type(cu_seqlens_q).__name__}, cu_seqlens_k "
+              f"{type(cu_seqlens_k).__name__}")
+    return (cu_seqlens, None) if cu_seqlens_q is None else (cu_seqlens_q, cu_seqlens_k)
+
+
+def check_key_length(q: Tensor, Tk, cu_seqlens: Optional[Tensor],
+                     cu_seqlens_k: Optional[Tensor], name: str = "k") -> None:
+    """Tk keys for q's Tq queries: Tq <= Tk with queries bottom-right aligned (fixed length);
+    varlen without cu_seqlens_k: the same packed length."""
+    Tq = q.shape[1]
+    if cu_seqlens is None and Tk < Tq:
+        _fail(f"{name} must be at least as long as q (Tq={Tq} queries sit at the last Tq of Tk "
+              f"key positions), got Tk={Tk}")
+    if cu_seqlens is not None and cu_seqlens_k is None and Tk != Tq:
+        _fail(f"{name} must have the same packed length T={Tq} as q with cu_seqlens (give "
+              f"cu_seqlens_q and cu_seqlens_k for queries at an offset), got {Tk}")
+
+
+def check_seqlen_k(seqlen_k, q: Tensor, cu_seqlens: Optional[Tensor]) -> None:
+    """seqlen_k: the key length of a fixed-length call whose op takes no k (compressed rows)."""
+    if seqlen_k is None:
+        return
+    if isinstance(seqlen_k, bool) or not isinstance(seqlen_k, (int, torch.SymInt)):
+        _fail(f"seqlen_k must be an int (the keys' length) or None, got {seqlen_k!r}")
+    if cu_seqlens is not None:
+        _fail("seqlen_k is for fixed-length input; varlen queries at an offset give "
+              "cu_seqlens_q and cu_seqlens_k")
+    check_key_length(q, seqlen_k, None, None, "seqlen_k")
+
+
+def check_cu_seqlens_k(cu_seqlens_k, cu_seqlens: Optional[Tensor], q: Tensor,
+                       Tk: Optional[int] = None) -> None:
+    """cu_seqlens_k: one entry per sequence like cu_seqlens_q, each key sequence at least as long
+    as its queries, ending at Tk (k's packed length) where k is given."""
+    if cu_seqlens_k is None:
+        return
+    check_tensor("cu_seqlens_k", cu_seqlens_k, 1, "int32 [N+1]")
+    if cu_seqlens_k.dtype != torch.int32:
+        _fail(f"cu_seqlens_k must be int32 [N+1], got {cu_seqlens_k.dtype}")
+    check_device("cu_seqlens_k", cu_seqlens_k, q)
+    if tuple(cu_seqlens_k.shape) != tuple(cu_seqlens.shape):
+        _fail(f"cu_seqlens_k must have the shape of cu_seqlens_q {tuple(cu_seqlens.shape)} (one "
+              f"entry per sequence), got {tuple(cu_seqlens_k.shape)}")
+    if _values_readable(cu_seqlens_k):
+        if int(cu_seqlens_k[0]) != 0 or (Tk is not None and int(cu_seqlens_k[-1]) != Tk):
+            _fail(f"cu_seqlens_k must start at 0 and end at the keys' length Tk={Tk}, got "
+                  f"[{int(cu_seqlens_k[0])}, ..., {int(cu_seqlens_k[-1])}]")
+        lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        if bool((lens_k < 0).any()):
+            _fail("cu_seqlens_k must be non-decreasing")
+        if _values_readable(cu_seqlens) and \
+                bool((lens_k < cu_seqlens[1:] - cu_seqlens[:-1]).any()):
+            _fail("cu_seqlens_k must give every sequence at least as many keys as "
+                  "cu_seqlens_q gives it queries (queries sit at the end of their keys)")
 
 
 def check_cu_seqlens(cu_seqlens, q: Tensor) -> None:
@@ -134,10 +192,19 @@ def check_cu_seqlens(cu_seqlens, q: Tensor) -> None:
 
 
 def check_cmp_rows(name: str, k_cmp: Tensor, q: Tensor, block_len: int, block_stride: int,
-                   cu_seqlens: Optional[Tensor]) -> None:
+                   cu_seqlens: Optional[Tensor], seqlen_k: Optional[int] = None,
+                   cu_seqlens_k: Optional[Tensor] = None) -> None:
     """k_cmp must hold exactly the emitted rows (num_cmp(T), or sum_i num_cmp(S_i) packed per
-    sequence in varlen), or the padded count cmp_rows(T) = T // d + 2 that phi returns."""
-    T, rows = q.shape[1], k_cmp.shape[1]
+    sequence in varlen), or the padded count cmp_rows(T) = T // d + 2 that phi returns; T counts
+    the keys (seqlen_k, cu_seqlens_k) when queries sit at an offset."""
+    if cu_seqlens_k is not None:
+        cu_seqlens = cu_seqlens_k
+        if not _values_readable(cu_seqlens_k):
+            return
+        T = int(cu_seqlens_k[-1])
+    else:
+        T = q.shape[1] if seqlen_k is None else seqlen_k
+    rows = k_cmp.shape[1]
     if not (_is_concrete(T) and _is_concrete(rows)):
         return
     padded = cmp_rows(T, block_stride)
@@ -166,17 +233,20 @@ def check_lse(lse, q: Tensor) -> None:
     check_device("lse", lse, q)
 
 
-def check_block_idx(block_idx, k: Tensor, sel_block: int) -> None:
+def check_block_idx(block_idx, k: Tensor, sel_block: int, q: Optional[Tensor] = None) -> None:
+    """block_idx [B, Tq, H, n] (q's rows, k's heads), entries -1 or blocks of k's length."""
     check_tensor("block_idx", block_idx, 4, "int32 [B, T, H, n]")
     if block_idx.dtype not in (torch.int32, torch.int64):
         _fail(f"block_idx must be int32 [B, T, H, n], got {block_idx.dtype}")
     check_device("block_idx", block_idx, k, "k")
     B, T, H = k.shape[:3]
+    if q is not None:
+        T = q.shape[1]
     if tuple(block_idx.shape[:3]) != (B, T, H):
         _fail(f"block_idx must have shape [B, T, H, n] with (B, T, H) = {(B, T, H)}, "
               f"got {tuple(block_idx.shape)}")
     if _values_readable(block_idx) and block_idx.numel():
-        nblk = -(-T // sel_block)
+        nblk = -(-k.shape[1] // sel_block)
         lo, hi = int(block_idx.min()), int(block_idx.max())
         if lo < -1 or hi >= nblk:
             _fail(f"block_idx entries must be -1 (empty) or in [0, ceil(T/sel_block)) = "
@@ -193,40 +263,53 @@ def check_gate(name: str, g, q: Tensor) -> None:
 
 # ---- one entry point per op, shared by the real kernels and the fake kernels ------------------
 
-def compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens):
+# cu_seqlens here is the queries' (seqlens_pair's first); cu_seqlens_k / seqlen_k describe keys
+# that queries sit at the end of, None for the queries' own lengths.
+
+def compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, cu_seqlens,
+                              cu_seqlens_k=None, seqlen_k=None):
     check_qkv(q, k_cmp, v_cmp, "k_cmp", "v_cmp")
     check_block_params(block_len=block_len, block_stride=block_stride)
     check_scale(scale)
     check_cu_seqlens(cu_seqlens, q)
-    check_cmp_rows("k_cmp", k_cmp, q, block_len, block_stride, cu_seqlens)
+    check_cu_seqlens_k(cu_seqlens_k, cu_seqlens, q)
+    check_seqlen_k(seqlen_k, q, cu_seqlens)
+    check_cmp_rows("k_cmp", k_cmp, q, block_len, block_stride, cu_seqlens, seqlen_k,
+                   cu_seqlens_k)
 
 
 def select_blocks_args(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale,
-                       cu_seqlens):
+                       cu_seqlens, cu_seqlens_k=None, seqlen_k=None):
     check_qkv(q, k_cmp, k_cmp, "k_cmp", "k_cmp")
     check_lse(lse, q)
     check_block_params(block_len=block_len, block_stride=block_stride, sel_block=sel_block,
                        num_sel=num_sel)
     check_scale(scale)
     check_cu_seqlens(cu_seqlens, q)
-    check_cmp_rows("k_cmp", k_cmp, q, block_len, block_stride, cu_seqlens)
+    check_cu_seqlens_k(cu_seqlens_k, cu_seqlens, q)
+    check_seqlen_k(seqlen_k, q, cu_seqlens)
+    check_cmp_rows("k_cmp", k_cmp, q, block_len, block_stride, cu_seqlens, seqlen_k,
+                   cu_seqlens_k)
 
 
-def selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_seqlens):
+def selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_seqlens,
+                             cu_seqlens_k=None):
     check_qkv(q, k, v)
-    check_same_length(q, k)
+    check_key_length(q, k.shape[1], cu_seqlens, cu_seqlens_k)
     check_block_params(sel_block=sel_block)
     check_scale(scale)
     check_cu_seqlens(cu_seqlens, q)
-    check_block_idx(block_idx, k, sel_block)
+    check_cu_seqlens_k(cu_seqlens_k, cu_seqlens, q, k.shape[1])
+    check_block_idx(block_idx, k, sel_block, q)
 
 
-def sliding_window_attention_args(q, k, v, window, scale, cu_seqlens):
+def sliding_window_attention_args(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None):
     check_qkv(q, k, v)
-    check_same_length(q, k)
+    check_key_length(q, k.shape[1], cu_seqlens, cu_seqlens_k)
     check_block_params(window=window)
     check_scale(scale)
     check_cu_seqlens(cu_seqlens, q)
+    check_cu_seqlens_k(cu_seqlens_k, cu_seqlens, q, k.shape[1])
 
 
 def gate_combine_args(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win):

@@ -3,6 +3,7 @@ sequence equals the same rows of the full-length computation, fixed length and v
 import pytest
 import torch
 
+import nsa_ops
 from nsa_ops import reference as R
 from helpers import SMALL, TOL, cu_seqlens, qkv
 
@@ -62,3 +63,77 @@ def test_reference_branches_at_an_offset(B, Tk, Tq, lengths_k, lengths_q):
         o, lse = fn(q, k, v, *args, scale, cu_q, **off)
         torch.testing.assert_close(o, o_full[:, rows], atol=atol, rtol=rtol)
         torch.testing.assert_close(lse, lse_full[:, rows], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
+def test_ops_and_nsa_attention_at_an_offset(B, Tk, Tq, lengths_k, lengths_q):
+    """torch.ops.nsa.* and nsa_attention with Tq <= Tk: forward and gradients equal the last
+    rows of the full-length call (the full call's upstream gradient zero elsewhere)."""
+    q_full, _, k, v, rows, cu_k, cu_q = _inputs(B, Tk, Tq, lengths_k, lengths_q)
+    g = [torch.rand(B, Tk, q_full.shape[2], dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    seqs = dict(cu_seqlens=cu_k) if cu_k is not None else {}
+    offset = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k) if cu_k is not None else {}
+    geo = dict(block_len=L, block_stride=D, sel_block=LP, num_sel=N, window=24)
+
+    q_full = q_full.detach().requires_grad_()
+    k, v = k.detach().requires_grad_(), v.detach().requires_grad_()
+    o_full = nsa_ops.nsa_attention(q_full, k, v, *g, **geo, **seqs)
+    do = torch.randn(o_full[:, rows].shape, dtype=torch.float64)
+    (o_full[:, rows] * do).sum().backward()
+    want = [o_full[:, rows].detach(), q_full.grad[:, rows], k.grad.clone(), v.grad.clone()]
+
+    q = q_full.detach()[:, rows].requires_grad_()
+    k.grad = v.grad = None
+    o = nsa_ops.nsa_attention(q, k, v, *(x[:, rows] for x in g), **geo, **offset)
+    (o * do).sum().backward()
+    atol, rtol = TOL[torch.float64]
+    for got, expected in zip((o.detach(), q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
+
+
+def test_offset_validation():
+    q, k, v = qkv(1, 20, 4, 2, 16, 8)
+    with pytest.raises(ValueError, match="at least as long as q"):
+        torch.ops.nsa.sliding_window_attention(q, k[:, :10], v[:, :10], 8, 0.25)
+    with pytest.raises(ValueError, match="given together"):
+        torch.ops.nsa.sliding_window_attention(q, k, v, 8, 0.25, cu_seqlens_q=cu_seqlens([20]))
+    with pytest.raises(ValueError, match="not both"):
+        torch.ops.nsa.sliding_window_attention(q, k, v, 8, 0.25, cu_seqlens_q=cu_seqlens([20]),
+                                               cu_seqlens_k=cu_seqlens([20]),
+                                               cu_seqlens=cu_seqlens([20]))
+    with pytest.raises(ValueError, match="cu_seqlens_k must give every sequence"):
+        torch.ops.nsa.sliding_window_attention(q, k, v, 8, 0.25, cu_seqlens_q=cu_seqlens([15, 5]),
+                                               cu_seqlens_k=cu_seqlens([10, 10]))
+    with pytest.raises(ValueError, match="cu_seqlens_k must have the shape"):
+        torch.ops.nsa.sliding_window_attention(q, k, v, 8, 0.25, cu_seqlens_q=cu_seqlens([20]),
+                                               cu_seqlens_k=cu_seqlens([10, 10]))
+    k_cmp = R.compress_mean(k, L, D)
+    with pytest.raises(ValueError, match="seqlen_k"):
+        torch.ops.nsa.compressed_attention(q, k_cmp, k_cmp, L, D, 0.25, seqlen_k=10)
+
+
+def test_offset_routing_refuses_kernels_with_a_reason():
+    from nsa_ops import routing
+    x = routing.Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 512, offset=True)
+    for op in ("selection_attention", "sliding_window_attention", "select_blocks"):
+        assert routing.choose(op, x).impl == "reference"
+        reasons = dict(routing.explain(op, x))
+        assert all(r for impl, r in reasons.items() if impl != "reference")
+        assert "offset" in reasons["triton"]
+
+
+def test_offset_ops_pass_opcheck():
+    from torch.library import opcheck
+    q_full, q, k, v, rows, _, _ = _inputs(1, 45, 13, None, None)
+    k_cmp = R.compress_mean(k, L, D)
+    _, lse = R.compressed_attention(q, k_cmp, k_cmp, L, D, 0.25, seqlen_k=45)
+    idx = R.select_blocks(q, k_cmp, lse, L, D, LP, N, 0.25, seqlen_k=45)
+    for t in (q, k, v, k_cmp):
+        t.requires_grad_()
+    opcheck(torch.ops.nsa.compressed_attention.default, (q, k_cmp, k_cmp, L, D, 0.25),
+            dict(seqlen_k=45))
+    opcheck(torch.ops.nsa.select_blocks.default, (q, k_cmp, lse, L, D, LP, N, 0.25),
+            dict(seqlen_k=45))
+    opcheck(torch.ops.nsa.selection_attention.default, (q, k, v, idx, LP, 0.25))
+    opcheck(torch.ops.nsa.sliding_window_attention.default, (q, k, v, 24, 0.25))
