@@ -70,3 +70,95 @@ def rel_err(got, want):
     """Relative Frobenius error ||got - want|| / ||want||, in float32."""
     got, want = got.float(), want.float()
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+# ---- layouts: the same values as token-major, head-major or strided views ---------------------
+
+# Layouts of a [B, T, heads, D] tensor that validation accepts:
+#   token   contiguous [B, T, heads, D]
+#   head    head-major: a contiguous [B, heads, T, D] transposed to [B, T, heads, D]
+#   wide    x[..., :D] of a [B, T, heads, 2D] tensor (a slice of a fused projection's last dim)
+#   tslice  x[:, 2:2+T] of a [B, T+5, heads, D] tensor (a slice along T)
+#   heads   x[:, :, 1:1+heads] of a [B, T, heads+2, D] tensor (a slice of fused heads)
+#   dstride x[..., ::2] of a [B, T, heads, 2D] tensor (no unit stride along D)
+# What lies outside the view is NaN: an implementation that reads past its view returns NaN.
+LAYOUTS = ("token", "head", "wide", "tslice", "heads", "dstride")
+# Layouts of a [B, T, X] tensor (lse, dlse, gates):
+#   contig; perm: a contiguous [B, X, T] transposed; wide: x[..., :X] of [B, T, X+3];
+#   tslice: x[:, 1:1+T] of [B, T+3, X]; stack3: x[..., i] of [B, T, X, 3] (NSAAttention's gates)
+ROW_LAYOUTS = ("contig", "perm", "wide", "tslice", "stack3")
+# Layouts of block_idx [B, T, H, n]: contig; wide: bi[..., :n] of [B, T, H, n+3] (the extra
+# slots hold valid block indices, so a kernel reading past n computes something else); perm: a
+# contiguous [B, H, T, n] transposed; tslice: bi[:, 1:1+T] of [B, T+2, H, n].
+INDEX_LAYOUTS = ("contig", "wide", "perm", "tslice")
+
+
+def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """x [B, T, heads, D] with the same values in `layout` (see LAYOUTS), in new storage (a
+    detached leaf: requires_grad_() keeps the layout)."""
+    B, T, Hn, D = x.shape
+    nan = float("nan")
+    if layout == "token":
+        return x.detach().clone().contiguous()
+    if layout == "head":
+        return x.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "wide":
+        buf = x.new_full((B, T, Hn, 2 * D), nan)
+        buf[..., :D] = x
+        return buf[..., :D]
+    if layout == "tslice":
+        buf = x.new_full((B, T + 5, Hn, D), nan)
+        buf[:, 2:2 + T] = x
+        return buf[:, 2:2 + T]
+    if layout == "heads":
+        buf = x.new_full((B, T, Hn + 2, D), nan)
+        buf[:, :, 1:1 + Hn] = x
+        return buf[:, :, 1:1 + Hn]
+    if layout == "dstride":
+        buf = x.new_full((B, T, Hn, 2 * D), nan)
+        buf[..., ::2] = x
+        return buf[..., ::2]
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def rows_in_layout(x: torch.Tensor, layout: str, index: int = 1) -> torch.Tensor:
+    """x [B, T, X] with the same values in `layout` (see ROW_LAYOUTS)."""
+    B, T, X = x.shape
+    nan = float("nan")
+    if layout == "contig":
+        return x.detach().clone().contiguous()
+    if layout == "perm":
+        return x.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "wide":
+        buf = x.new_full((B, T, X + 3), nan)
+        buf[..., :X] = x
+        return buf[..., :X]
+    if layout == "tslice":
+        buf = x.new_full((B, T + 3, X), nan)
+        buf[:, 1:1 + T] = x
+        return buf[:, 1:1 + T]
+    if layout == "stack3":
+        buf = x.new_full((B, T, X, 3), nan)
+        buf[..., index % 3] = x
+        return buf[..., index % 3]
+    raise ValueError(f"unknown row layout {layout!r}")
+
+
+def index_in_layout(block_idx: torch.Tensor, layout: str, num_blocks: int,
+                    seed: int = 0) -> torch.Tensor:
+    """block_idx [B, T, H, n] with the same entries in `layout` (see INDEX_LAYOUTS)."""
+    B, T, H, n = block_idx.shape
+    if layout == "contig":
+        return block_idx.clone().contiguous()
+    if layout == "perm":
+        return block_idx.transpose(1, 2).contiguous().transpose(1, 2)
+    g = torch.Generator().manual_seed(seed)
+    if layout == "wide":
+        buf = torch.randint(0, num_blocks, (B, T, H, n + 3), generator=g).to(block_idx)
+        buf[..., :n] = block_idx
+        return buf[..., :n]
+    if layout == "tslice":
+        buf = torch.randint(0, num_blocks, (B, T + 2, H, n), generator=g).to(block_idx)
+        buf[:, 1:1 + T] = block_idx
+        return buf[:, 1:1 + T]
+    raise ValueError(f"unknown index layout {layout!r}")

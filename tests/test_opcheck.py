@@ -1,11 +1,13 @@
-"""torch.library.opcheck and float64 gradcheck for every nsa op."""
+"""torch.library.opcheck (also over head-major and strided layouts) and float64 gradcheck for
+every nsa op."""
 import pytest
 import torch
 from torch.library import opcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nsa_ops  # noqa: F401  (registers torch.ops.nsa)
-from helpers import SMALL, compressed, cu_seqlens, qkv, selection_for
+from helpers import (INDEX_LAYOUTS, ROW_LAYOUTS, SMALL, compressed, cu_seqlens, in_layout,
+                     index_in_layout, qkv, rows_in_layout, selection_for)
 
 L, D, LP, N = SMALL["block_len"], SMALL["block_stride"], SMALL["sel_block"], SMALL["num_sel"]
 
@@ -160,3 +162,98 @@ def test_gate_combine_validates():
         torch.ops.nsa.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc[:, :, :1], g_win)
     with pytest.raises(ValueError, match="o_win and g_win must both be tensors, or both None"):
         torch.ops.nsa.gate_combine(o_cmp, o_slc, None, g_cmp, g_slc, g_win)
+
+
+# ---- opcheck over head-major and strided layouts ---------------------------------------------
+#
+# Every op, backward ops and the gate included, with its tensor arguments as head-major or
+# strided views (helpers.LAYOUTS): test_faketensor compares the fake kernel's output strides with
+# the real ones, and every output must be contiguous whatever the inputs' layout (the ops'
+# contract, which the fake kernels state). "mixed" gives each argument another layout.
+
+LAYOUT_CASES = ["head", "wide", "tslice", "heads", "dstride", "mixed"]
+_ROW_OF = {"head": "perm", "wide": "wide", "tslice": "tslice", "heads": "contig",
+           "dstride": "stack3"}
+_INDEX_OF = {"head": "perm", "wide": "wide", "tslice": "tslice", "heads": "contig",
+             "dstride": "perm"}
+_MIXED = ("head", "wide", "tslice", "dstride", "heads", "token")
+
+
+def _relaid(args, layout, num_blocks):
+    """args with every tensor but cu_seqlens in `layout`; grad requirements kept."""
+    out, i = [], 0
+    for a in args:
+        if not isinstance(a, torch.Tensor) or a.dtype == torch.int32 and a.dim() == 1:
+            out.append(a)
+            continue
+        if a.dim() == 4 and a.is_floating_point():
+            lay = _MIXED[i % len(_MIXED)] if layout == "mixed" else layout
+            b = in_layout(a.detach(), lay)
+        elif a.dim() == 3:
+            lay = ROW_LAYOUTS[i % len(ROW_LAYOUTS)] if layout == "mixed" else _ROW_OF[layout]
+            b = rows_in_layout(a.detach(), lay, i)
+        else:  # block_idx
+            lay = INDEX_LAYOUTS[i % len(INDEX_LAYOUTS)] if layout == "mixed" else _INDEX_OF[layout]
+            b = index_in_layout(a.to(torch.int64) if layout == "mixed" else a, lay, num_blocks)
+        out.append(b.requires_grad_(a.requires_grad))
+        i += 1
+    return tuple(out)
+
+
+def _assert_contiguous(op, out):
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    for j, t in enumerate(outs):
+        assert t.is_contiguous(), f"{op} output {j} is not contiguous: strides {t.stride()}"
+
+
+# (layout, B, T, G, varlen lengths): every layout at a fixed length, mixed layouts in varlen too
+LAYOUT_GEOMETRIES = [*[pytest.param(layout, 2, 45, 2, None, id=layout) for layout in LAYOUT_CASES],
+                     pytest.param("mixed", 1, 61, 4, (20, 41), id="mixed-varlen")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout,B,T,G,lengths", LAYOUT_GEOMETRIES)
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck_layouts(op, layout, B, T, G, lengths, dtype):
+    args = _relaid(_args(op, B, T, G, lengths, dtype), layout, -(-T // LP))
+    opcheck(getattr(torch.ops.nsa, op).default, args)
+    _assert_contiguous(op, getattr(torch.ops.nsa, op)(*args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout,B,T,G,lengths", LAYOUT_GEOMETRIES)
+@pytest.mark.parametrize("op", ["compressed_attention", "selection_attention",
+                                "sliding_window_attention"])
+def test_opcheck_backward_ops_layouts(op, layout, B, T, G, lengths, dtype):
+    args = _relaid([a.detach() if isinstance(a, torch.Tensor) else a
+                    for a in _args(op, B, T, G, lengths, dtype)], layout, -(-T // LP))
+    o, lse = getattr(torch.ops.nsa, op)(*args)
+    gen = torch.Generator().manual_seed(T + G)
+    do = torch.randn(o.shape, generator=gen, dtype=dtype)
+    dlse = torch.randn(lse.shape, generator=gen, dtype=lse.dtype)
+    do, dlse = _relaid((do, dlse), "head" if layout == "mixed" else layout, 1)
+    q, k, v, *rest = args
+    bwd = getattr(torch.ops.nsa, op + "_backward")
+    for dl in (dlse, None):
+        bwd_args = (q, k, v, o, lse, do, dl, *rest)
+        opcheck(bwd.default, bwd_args)
+        _assert_contiguous(op + "_backward", bwd(*bwd_args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window_branch", [True, False], ids=["win", "nowin"])
+@pytest.mark.parametrize("layout", LAYOUT_CASES)
+def test_opcheck_gate_combine_layouts(layout, window_branch, dtype):
+    B, T, HQ, Dv = 2, 19, 4, 8
+    args = list(_relaid(_gate_args(B, T, HQ, Dv, dtype), layout, 1))
+    if not window_branch:
+        args[2] = args[5] = None
+    opcheck(torch.ops.nsa.gate_combine.default, tuple(args))
+    _assert_contiguous("gate_combine", torch.ops.nsa.gate_combine(*args))
+    do = torch.randn(B, T, HQ, Dv, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    do, = _relaid((do,), "dstride" if layout == "mixed" else layout, 1)
+    plain = [a.detach() if a is not None else None for a in args]
+    for gate_grads in (True, False):
+        bwd_args = (do, *plain, gate_grads)
+        opcheck(torch.ops.nsa.gate_combine_backward.default, bwd_args)
+        _assert_contiguous("gate_combine_backward", torch.ops.nsa.gate_combine_backward(*bwd_args))
