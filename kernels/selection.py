@@ -20,14 +20,14 @@ atomically adds its partial dk/dv into fp32 buffers; only blocks spanning severa
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.reference import distinct_slots, token_layout, token_starts
+from nsa_ops.reference import distinct_slots, query_layout
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
@@ -63,13 +63,15 @@ def _lse_log2(lse):
 
 
 @triton.jit
-def _token_blocks(bidx, seq_start, b, t, h, T, N, H: tl.constexpr, NP: tl.constexpr,
-                  IS_VARLEN: tl.constexpr):
-    """The token's block_idx row as a set, and its sequence's first token.
+def _token_blocks(bidx, seq_start, key_pos, b, t, h, T, N, OFF, H: tl.constexpr,
+                  NP: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The query's block_idx row as a set, its sequence's first key and the key it sits at.
 
     Returns (blocks [NP]: the slot's block, or -1 where the slot is empty or repeats an earlier
-    slot's block; the number of slots to walk, up to the last kept one; start). Callers read
-    slot s as tl.sum(where(slots == s, blocks, 0)): a register reduction, no reload of the row.
+    slot's block; the number of slots to walk, up to the last kept one; start; last: the packed
+    key position of query t, t + OFF for fixed length, where OFF = Tk - Tq puts queries at the
+    end of longer keys). Callers read slot s as tl.sum(where(slots == s, blocks, 0)): a register
+    reduction, no reload of the row.
     """
     row = bidx + ((b * T + t) * H + h) * N
     slots = tl.arange(0, NP)
@@ -81,9 +83,11 @@ def _token_blocks(bidx, seq_start, b, t, h, T, N, H: tl.constexpr, NP: tl.conste
     n_walk = tl.max(tl.where(keep, slots + 1, 0), axis=0)
     if IS_VARLEN:
         start = tl.load(seq_start + t).to(tl.int64)
+        last = tl.load(key_pos + t).to(tl.int64)
     else:
         start = tl.zeros([], tl.int64)
-    return blocks, n_walk, start
+        last = t + OFF
+    return blocks, n_walk, start, last
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,13 +110,14 @@ def _per_token_launch(kernel: str) -> dict:
 
 
 @triton.jit
-def selection_fwd_rows(q, k, v, bidx, seq_start, b, t, h,
-                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, N, qk_scale,
+def selection_fwd_rows(q, k, v, bidx, seq_start, key_pos, b, t, h,
+                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, N, OFF, qk_scale,
                        H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                        BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
                        PREC: tl.constexpr):
-    """Attention of the G query heads of (b, t, KV head h) over the token's selected blocks.
+    """Attention of the G query heads of (b, t, KV head h) over the token's selected blocks
+    (seq_start, key_pos, OFF: see _token_blocks).
 
     Returns the normalised output [GP, DVP] (fp32), lse [GP] (natural log, -inf for rows that saw
     nothing), the query-head indices and their mask. Shared by the eager forward kernel and the
@@ -122,7 +127,8 @@ def selection_fwd_rows(q, k, v, bidx, seq_start, b, t, h,
     gmask = g < G
     heads = h * G + g
     qt = _load_tile(q, b * sq_b + t * sq_t + heads * sq_h, gmask, DK, DKP)
-    blocks, n_walk, start = _token_blocks(bidx, seq_start, b, t, h, T, N, H, NP, IS_VARLEN)
+    blocks, n_walk, start, last = _token_blocks(bidx, seq_start, key_pos, b, t, h, T, N, OFF, H,
+                                                NP, IS_VARLEN)
     slots = tl.arange(0, NP)
 
     # finite start for the running max: fully masked tiles then give exp2(-inf - m) = 0, no NaN
@@ -137,9 +143,9 @@ def selection_fwd_rows(q, k, v, bidx, seq_start, b, t, h,
     for it in range(n_walk * NSUB):
         blk = tl.sum(tl.where(slots == it // NSUB, blocks, 0), axis=0)
         offs = (it % NSUB) * BN + tl.arange(0, BN)
-        # an empty slot (-1) points past t, so the causal mask closes it
-        toks = tl.where(blk >= 0, start + blk * SEL, t + 1) + offs
-        kmask = toks <= t
+        # an empty slot (-1) points past the query, so the causal mask closes it
+        toks = tl.where(blk >= 0, start + blk * SEL, last + 1) + offs
+        kmask = toks <= last
         if SEL % BN != 0:  # the block's last tile runs past its end
             kmask = kmask & (offs < SEL)
         kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
@@ -162,9 +168,9 @@ def selection_fwd_rows(q, k, v, bidx, seq_start, b, t, h,
 
 
 @triton.jit
-def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
+def _fwd_kernel(q, k, v, o, lse, bidx, seq_start, key_pos,
                 sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-                T, N, qk_scale,
+                T, N, OFF, qk_scale,
                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                 BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -175,17 +181,17 @@ def _fwd_kernel(q, k, v, o, lse, bidx, seq_start,
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
-        q, k, v, bidx, seq_start, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
-        T, N, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
+        q, k, v, bidx, seq_start, key_pos, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b,
+        sv_t, sv_h, T, N, OFF, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
     _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, out, DV, DVP)
     tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
 
 
 @triton.jit
-def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
+def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start, key_pos,
                sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h,
-               T, N, scale, qk_scale,
+               T, N, OFF, scale, qk_scale,
                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -208,7 +214,8 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
         dlt -= tl.load(dlse + stat, mask=gmask, other=0.0)
     tl.store(delta + stat, dlt, mask=gmask)
     lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
-    blocks, n_walk, start = _token_blocks(bidx, seq_start, b, t, h, T, N, H, NP, IS_VARLEN)
+    blocks, n_walk, start, last = _token_blocks(bidx, seq_start, key_pos, b, t, h, T, N, OFF, H,
+                                                NP, IS_VARLEN)
     slots = tl.arange(0, NP)
 
     acc = tl.zeros([GP, DKP], tl.float32)
@@ -218,8 +225,8 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
     for it in range(n_walk * NSUB):
         blk = tl.sum(tl.where(slots == it // NSUB, blocks, 0), axis=0)
         offs = (it % NSUB) * BN + tl.arange(0, BN)
-        toks = tl.where(blk >= 0, start + blk * SEL, t + 1) + offs
-        kmask = toks <= t
+        toks = tl.where(blk >= 0, start + blk * SEL, last + 1) + offs
+        kmask = toks <= last
         if SEL % BN != 0:
             kmask = kmask & (offs < SEL)
         kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
@@ -235,16 +242,17 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start,
 
 
 @triton.jit
-def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
+def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos,
                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
-                 T, scale, qk_scale,
+                 T, TK, scale, qk_scale,
                  H: tl.constexpr, G: tl.constexpr, GP2: tl.constexpr, DK: tl.constexpr,
                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     """Partial dk/dv of one key tile from one chunk of the queries that selected its block.
 
     chunks[pid] = (first entry, end entry, b * H + h, first token of the block), int64; entries
-    ent_tok[e0:e1] are the query tokens, ascending. Rows of a [BM, *] tile are (query, head) pairs.
+    ent_tok[e0:e1] are the query tokens, ascending, ent_pos[e0:e1] the key positions they sit at
+    (T queries over TK keys). Rows of a [BM, *] tile are (query, head) pairs.
     """
     pid = tl.program_id(0)
     e0 = tl.load(chunks + pid * 4)
@@ -254,7 +262,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
         b = bh // H
         h = bh % H
         # keys past the chunk's last query get nothing from it (and stay inside the sequence)
-        t_last = tl.load(ent_tok + e1 - 1)
+        t_last = tl.load(ent_pos + e1 - 1)
         offs = tl.program_id(1) * BN + tl.arange(0, BN)
         toks = tl.load(chunks + pid * 4 + 3) + offs
         kmask = toks <= t_last
@@ -276,6 +284,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
             ent = e + r // GP2
             rmask = (ent < e1) & (g < G)
             tq = tl.load(ent_tok + ent, mask=rmask, other=0).to(tl.int64)
+            tpos = tl.load(ent_pos + ent, mask=rmask, other=0)
             qT = tl.load(q + (b * sq_b + tq * sq_t + heads * sq_h)[None, :] + kcols[:, None],
                          mask=rmask[None, :] & (kcols[:, None] < DK), other=0.0)
             dot_ = tl.load(do + (b * sdo_b + tq * sdo_t + heads * sdo_h)[:, None] + vcols[None, :],
@@ -285,13 +294,13 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
             dlt = tl.load(delta + stat, mask=rmask, other=0.0)
 
             pT = tl.exp2(tl.dot(kt, qT, input_precision=PREC) * qk_scale - lse2[None, :])
-            pT = tl.where(rmask[None, :] & (toks[:, None] <= tq[None, :]), pT, 0.0)
+            pT = tl.where(rmask[None, :] & (toks[:, None] <= tpos[None, :]), pT, 0.0)
             dv_acc += tl.dot(pT.to(dot_.dtype), dot_, input_precision=PREC)
             dpT = tl.dot(vt, tl.trans(dot_), input_precision=PREC)
             dsT = pT * (dpT - dlt[None, :])
             dk_acc += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC)
 
-        out = (b * T + toks) * H + h
+        out = (b * TK + toks) * H + h
         tl.atomic_add(dk + out[:, None] * DK + kcols[None, :], dk_acc * scale,
                       mask=kmask[:, None] & (kcols[None, :] < DK), sem="relaxed")
         tl.atomic_add(dv + out[:, None] * DV + vcols[None, :], dv_acc,
@@ -350,9 +359,32 @@ def _strides(x: Tensor) -> tuple[int, int, int]:
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def _seq_start(T: int, cu_seqlens: Optional[Tensor], device) -> Optional[Tensor]:
-    """None without cu_seqlens: the kernels then skip the per-token start load (IS_VARLEN)."""
-    return None if cu_seqlens is None else token_starts(T, cu_seqlens, device)
+class _Queries(NamedTuple):
+    """Where each of the Tq queries sits among the keys, int64 [Tq]: start, the first packed key
+    of its sequence; key_pos, the packed key it sits at (bottom-right aligned, see
+    reference.query_layout). Fixed-length kernels need only off = Tk - Tq."""
+    start: Tensor
+    key_pos: Tensor
+    varlen: bool
+    off: int
+
+    def kernel_args(self, placeholder: Tensor) -> tuple:
+        """(seq_start, key_pos) for the per-token kernels: unread for fixed length."""
+        if not self.varlen:
+            return placeholder, placeholder
+        return self.start.to(torch.int32), self.key_pos.to(torch.int32)
+
+
+def _queries(Tq: int, Tk: int, cu_seqlens: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+             device) -> _Queries:
+    seq, pos = query_layout(Tq, cu_seqlens, device, Tk, cu_seqlens_k)
+    if cu_seqlens is None:
+        start = torch.zeros_like(pos)
+    else:
+        cu = (cu_seqlens if cu_seqlens_k is None else cu_seqlens_k).to(device, torch.int64)
+        start = cu[seq]
+    return _Queries(start, start + pos, cu_seqlens is not None,
+                    Tk - Tq if cu_seqlens is None else 0)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
@@ -373,39 +405,40 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
         raise ValueError(f"q must have B == 1 with cu_seqlens (packed sequences), got B={B}")
 
 
-def _key_chunks(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor],
-                queries_per_chunk: int) -> tuple[Tensor, Tensor]:
+def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries, Tk: int, num_seq: int,
+                queries_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
     """Inverse of block_idx, chunked: which queries selected each (batch, KV head, block).
 
     Returns ent_tok int32 [E] (query token of each valid (b, t, h, slot) entry, grouped by block,
-    ascending inside a block) and chunks int64 [P, 4] = (first entry, end entry, b * H + h, first
-    token of the block): E = B*T*H*n passes 2**31 at long T. P is a bound known from shapes alone;
-    chunks past the real count are empty (end == first). A block a row names twice is one entry.
-    Everything stays on device: no host sync, CUDA-graph capturable.
+    ascending inside a block), ent_pos int32 [E] (the key position that query sits at) and
+    chunks int64 [P, 4] = (first entry, end entry, b * H + h, first key token of the block):
+    E = B*T*H*n passes 2**31 at long T. P is a bound known from shapes alone; chunks past the
+    real count are empty (end == first). A block a row names twice is one entry. Everything stays
+    on device: no host sync, CUDA-graph capturable.
     """
     B, T, H, n = block_idx.shape
     device = block_idx.device
-    _, pos = token_layout(T, cu_seqlens, device)
     idx = block_idx.to(torch.int64)
+    pos = queries.key_pos - queries.start  # position inside the key sequence
     valid = distinct_slots(idx) & (idx * sel_block <= pos[None, :, None, None])
-    # a block is named by (b, h, its first packed token): unique across sequences, < B*H*T
-    first_tok = (torch.arange(T, device=device) - pos)[None, :, None, None] + idx * sel_block
+    # a block is named by (b, h, its first packed key): unique across sequences, < B*H*Tk
+    first_tok = queries.start[None, :, None, None] + idx * sel_block
     bh = (torch.arange(B, device=device)[:, None] * H + torch.arange(H, device=device))
-    num_keys = B * H * T
+    num_keys = B * H * Tk
     key_dtype = torch.int32 if num_keys < 2 ** 31 - 1 else torch.int64
-    key = torch.where(valid, bh[:, None, :, None] * T + first_tok, num_keys).to(key_dtype)
+    key = torch.where(valid, bh[:, None, :, None] * Tk + first_tok, num_keys).to(key_dtype)
     key, order = torch.sort(key.flatten(), stable=True)  # invalid entries (num_keys) go last
-    ent_tok = ((order // (H * n)) % T).to(torch.int32)
+    ent = (order // (H * n)) % T
+    ent_tok, ent_pos = ent.to(torch.int32), queries.key_pos[ent].to(torch.int32)
 
     bounds = torch.searchsorted(key, torch.arange(num_keys + 1, device=device, dtype=key_dtype))
     lo, hi = bounds[:-1], bounds[1:]
     nchunk = (hi - lo + queries_per_chunk - 1) // queries_per_chunk
     chunk_end = torch.cumsum(nchunk, 0)
     # sum of ceil(count / C) <= E / C + (number of distinct blocks); blocks per (b, h) are at most
-    # T // l' + (number of sequences)
-    num_seq = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    # Tk // l' + (number of sequences)
     E = idx.numel()
-    P = max(1, -(-E // queries_per_chunk) + min(E, B * H * (T // sel_block + num_seq)))
+    P = max(1, -(-E // queries_per_chunk) + min(E, B * H * (Tk // sel_block + num_seq)))
     pid = torch.arange(P, device=device)
     kid = torch.searchsorted(chunk_end, pid, right=True)
     real = kid < num_keys
@@ -413,8 +446,8 @@ def _key_chunks(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor],
     e0 = lo[kid] + (pid - chunk_end[kid] + nchunk[kid]) * queries_per_chunk
     e1 = torch.minimum(e0 + queries_per_chunk, hi[kid])
     e0, e1 = torch.where(real, e0, 0), torch.where(real, e1, 0)
-    chunks = torch.stack([e0, e1, kid // T, kid % T], dim=1).to(torch.int64)
-    return ent_tok, chunks
+    chunks = torch.stack([e0, e1, kid // Tk, kid % Tk], dim=1).to(torch.int64)
+    return ent_tok, ent_pos, chunks
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,9 +455,10 @@ def _key_chunks(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Tensor],
 # --------------------------------------------------------------------------------------------
 
 def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
-                            scale: float, cu_seqlens: Optional[Tensor] = None
-                            ) -> tuple[Tensor, Tensor]:
-    """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32; rows that see nothing: o = 0, lse = -inf."""
+                            scale: float, cu_seqlens: Optional[Tensor] = None, *,
+                            cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32; rows that see nothing: o = 0, lse = -inf.
+    k/v may be longer than q: queries sit at the end of their keys (cu_seqlens_k for varlen)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     H, Dv = k.shape[2], v.shape[3]
@@ -435,11 +469,11 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
         return o, lse.fill_(float("-inf"))
     q, k, v = _rows(q), _rows(k), _rows(v)
     bidx = block_idx.to(torch.int32).contiguous()
-    seq_start = _seq_start(T, cu_seqlens, q.device)
+    queries = _queries(T, k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
     _fwd_kernel[(T, B * H)](
-        q, k, v, o, lse, bidx, seq_start if seq_start is not None else bidx,
+        q, k, v, o, lse, bidx, *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        T, n, scale * math.log2(math.e), IS_VARLEN=seq_start is not None,
+        T, n, queries.off, scale * math.log2(math.e), IS_VARLEN=queries.varlen,
         **forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype), **_per_token_launch("fwd"))
     return o, lse
 
@@ -455,16 +489,17 @@ def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
 
 def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                             dlse: Optional[Tensor], block_idx: Tensor, sel_block: int,
-                            scale: float, cu_seqlens: Optional[Tensor] = None
+                            scale: float, cu_seqlens: Optional[Tensor] = None, *,
+                            cu_seqlens_k: Optional[Tensor] = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
-    H, Dv = k.shape[2], v.shape[3]
+    Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     G, n = HQ // H, block_idx.shape[3]
     dq = torch.empty(B, T, HQ, Dk, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(B, T, H, Dk, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(B, T, H, Dv, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, Tk, H, Dk, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, Tk, H, Dv, dtype=torch.float32, device=q.device)
     if dq.numel() == 0 or n == 0:
         return dq.zero_(), dk.to(k.dtype), dv.to(v.dtype)
     # dO and O meet q's dtype in the dots (an fp32 upstream gradient is rounded like o was)
@@ -472,27 +507,29 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     lse = lse.to(torch.float32).contiguous()
     dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
     bidx = block_idx.to(torch.int32).contiguous()
-    seq_start = _seq_start(T, cu_seqlens, q.device)
+    queries = _queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     dkp, dvp = _pow2(Dk), _pow2(Dv)
     prec = _precision(q.dtype)
     _dq_kernel[(T, B * H)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, bidx,
-        seq_start if seq_start is not None else bidx,
+        *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
-        T, n, scale, scale * math.log2(math.e),
+        T, n, queries.off, scale, scale * math.log2(math.e),
         H=H, G=G, GP=_pow2(G), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
-        BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=seq_start is not None,
+        BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=queries.varlen,
         HAS_DLSE=dlse is not None, PREC=prec, **_per_token_launch("dq"))
 
     gp2 = _pow2(G, 1)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
     queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
-    ent_tok, chunks = _key_chunks(bidx, sel_block, cu_seqlens, queries_per_chunk)
+    num_seq = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, Tk, num_seq,
+                                           queries_per_chunk)
     _dkdv_kernel[(chunks.shape[0], triton.cdiv(sel_block, bn))](
-        q, k, v, do, lse, delta, dk, dv, chunks, ent_tok,
+        q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        T, scale, scale * math.log2(math.e),
+        T, Tk, scale, scale * math.log2(math.e),
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
         PREC=prec, num_warps=warps, num_stages=stages)
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -42,11 +42,11 @@ _TEMPLATE_SOURCE = r'''
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
-        Q, K, V, BIDX, BIDX, b, t, h,
+        Q, K, V, BIDX, BIDX, BIDX, b, t, h,
         {{stride("Q", 0)}}, {{stride("Q", 1)}}, {{stride("Q", 2)}},
         {{stride("K", 0)}}, {{stride("K", 1)}}, {{stride("K", 2)}},
         {{stride("V", 0)}}, {{stride("V", 1)}}, {{stride("V", 2)}},
-        T, NSLOTS, QK_SCALE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, False, PREC)
+        T, NSLOTS, 0, QK_SCALE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, False, PREC)
     lse_off = b * {{stride("LSE", 0)}} + t * {{stride("LSE", 1)}} + heads * {{stride("LSE", 2)}}
     tl.store(LSE + lse_off, lse_row, mask=gmask)
     idx_b = b

@@ -260,8 +260,9 @@ def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
     return None
 
 
-_triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256),
-                 _no_offset)
+_triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256))
+# the kernels that do not yet place queries at the end of longer keys
+_triton_aligned = _first(_triton, _no_offset)
 _fa2_common = _first(_needs_cuda, _no_offset, _needs_sm80, _half_only("FlashAttention-2"),
                      _equal_head_dims("FlashAttention-2"), _head_dims_upto(256),
                      _head_dim_multiple_of_8("FlashAttention-2"))
@@ -294,24 +295,25 @@ TABLE: tuple[Route, ...] = (
           _cudnn_compressed,
           defer=_cudnn_compressed_preferred),
     Route("compressed_attention", "triton", "nsa_ops.kernels.compressed:compressed_attention_fwd",
-          "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton),
+          "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton_aligned),
     Route("compressed_attention", "reference", f"{_REF}:compressed_attention",
           f"{_REF}:compressed_attention_backward", _always),
-    Route("select_blocks", "triton", "nsa_ops.kernels.compressed:select_blocks", None, _triton),
+    Route("select_blocks", "triton", "nsa_ops.kernels.compressed:select_blocks", None,
+          _triton_aligned),
     Route("select_blocks", "reference", f"{_REF}:select_blocks", None, _always),
     Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
           "nsa_ops.kernels.selection:selection_attention_bwd", _triton,
           defer=_selection_kernel_preferred),
     # the backward reuses the Triton kernels, which serve every input this row serves
     Route("selection_attention", "packed_sdpa", "nsa_ops.packed:selection_attention_packed",
-          "nsa_ops.kernels.selection:selection_attention_bwd", _triton),
+          "nsa_ops.kernels.selection:selection_attention_bwd", _triton_aligned),
     Route("selection_attention", "reference", f"{_REF}:selection_attention",
           f"{_REF}:selection_attention_backward", _always),
     Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,
           _first(_importable("flash_attn"), _fa2_common), (("backend", "flash_attn"),)),
     Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,
           _first(_fa2_common, _has_aten_fa2), (("backend", "aten_fa2"),)),
-    Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
+    Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton_aligned,
           (("backend", "triton"),)),
     Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",
           f"{_REF}:sliding_window_attention_backward", _always),

@@ -113,14 +113,45 @@ def test_offset_validation():
         torch.ops.nsa.compressed_attention(q, k_cmp, k_cmp, L, D, 0.25, seqlen_k=10)
 
 
-def test_offset_routing_refuses_kernels_with_a_reason():
+def test_offset_routing():
+    """The selection kernel takes offsets; the routes that do not yet refuse with a reason."""
     from nsa_ops import routing
     x = routing.Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 512, offset=True)
-    for op in ("selection_attention", "sliding_window_attention", "select_blocks"):
+    assert routing.choose("selection_attention", x).impl == "triton"
+    assert "offset" in dict(routing.explain("selection_attention", x))["packed_sdpa"]
+    for op in ("sliding_window_attention", "select_blocks"):
         assert routing.choose(op, x).impl == "reference"
         reasons = dict(routing.explain(op, x))
         assert all(r for impl, r in reasons.items() if impl != "reference")
         assert "offset" in reasons["triton"]
+
+
+@pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
+def test_selection_kernel_at_an_offset(B, Tk, Tq, lengths_k, lengths_q, poisoned_empty):
+    """The Triton selection kernels (interpreter, fp32) with queries at an offset, forward and
+    backward, against the reference; block_idx as NSA selects it, rows as sets."""
+    from nsa_ops.kernels import selection as S
+    q_full, q, k, v, rows, cu_k, cu_q = _inputs(B, Tk, Tq, lengths_k, lengths_q)
+    q, k, v = q.float(), k.float(), v.float()
+    full_cu = cu_k
+    k_cmp = R.compress_mean(k, L, D, full_cu)
+    _, lse_full = R.compressed_attention(q_full.float(), k_cmp, k_cmp, L, D, 0.3, full_cu)
+    idx = R.select_blocks(q_full.float(), k_cmp, lse_full, L, D, LP, N, 0.3, full_cu)[:, rows]
+    idx = torch.cat([idx.flip(-1), idx[..., :1]], -1)  # -1 first, a repeated block
+    off = dict(cu_seqlens_k=cu_k) if cu_k is not None else {}
+    o, lse = S.selection_attention_fwd(q, k, v, idx, LP, 0.3, cu_q, **off)
+    o_ref, lse_ref = R.selection_attention(q.double(), k.double(), v.double(), idx, LP, 0.3, cu_q,
+                                           **off)
+    gen = torch.Generator().manual_seed(9)
+    do, dlse = torch.randn(o.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    grads = S.selection_attention_bwd(q, k, v, o, lse, do, dlse, idx, LP, 0.3, cu_q, **off)
+    want = R.selection_attention_backward(q.double(), k.double(), v.double(), o_ref, lse_ref,
+                                          do.double(), dlse.double(), idx, LP, 0.3, cu_q, **off)
+    atol, rtol = TOL[torch.float32]
+    torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=atol, rtol=rtol)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
 
 
 def test_offset_ops_pass_opcheck():
