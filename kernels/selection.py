@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.reference import distinct_slots, query_layout
+from nsa_ops.reference import distinct_slots, query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
@@ -377,14 +377,8 @@ class _Queries(NamedTuple):
 
 def _queries(Tq: int, Tk: int, cu_seqlens: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
              device) -> _Queries:
-    seq, pos = query_layout(Tq, cu_seqlens, device, Tk, cu_seqlens_k)
-    if cu_seqlens is None:
-        start = torch.zeros_like(pos)
-    else:
-        cu = (cu_seqlens if cu_seqlens_k is None else cu_seqlens_k).to(device, torch.int64)
-        start = cu[seq]
-    return _Queries(start, start + pos, cu_seqlens is not None,
-                    Tk - Tq if cu_seqlens is None else 0)
+    start, key_pos = query_keys(Tq, Tk, cu_seqlens, cu_seqlens_k, device)
+    return _Queries(start, key_pos, cu_seqlens is not None, Tk - Tq if cu_seqlens is None else 0)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,

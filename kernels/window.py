@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.reference import token_starts
+from nsa_ops.reference import query_keys
 
 _LOG2E = math.log2(math.e)
 _LN2_C = tl.constexpr(math.log(2.0))  # constexpr: the only globals a kernel may read
@@ -67,32 +67,35 @@ def _offsets(b, tok, head, stride_b, stride_t, stride_h, d):
 
 
 @triton.jit
-def _key_span(r0, T, G, W, START, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [lo, hi) that rows r0 .. r0 + BLOCK_M can see, lo aligned down to BLOCK_N."""
+def _key_span(r0, T, G, W, START, KEYPOS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) that rows r0 .. r0 + BLOCK_M can see, lo aligned down to BLOCK_N (a query's
+    key position and first visible key grow with its index)."""
     tok_lo = r0 // G
     tok_hi = (tl.minimum(r0 + BLOCK_M, T * G) - 1) // G
-    lo = tl.maximum(tok_lo - W + 1, tl.load(START + tok_lo))  # first visible key grows with t
-    return lo // BLOCK_N * BLOCK_N, tok_hi + 1
+    lo = tl.maximum(tl.load(KEYPOS + tok_lo) - W + 1, tl.load(START + tok_lo))
+    return lo // BLOCK_N * BLOCK_N, tl.load(KEYPOS + tok_hi) + 1
 
 
 @triton.jit
-def _row_span(n0, T, G, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows [lo, hi) whose windows can reach keys n0 .. n0 + BLOCK_N, lo aligned to BLOCK_M."""
-    tok_hi = tl.minimum(n0 + BLOCK_N - 1 + W - 1, T - 1)
-    return n0 * G // BLOCK_M * BLOCK_M, (tok_hi + 1) * G
+def _row_span(ROWSPAN, G, BLOCK_M: tl.constexpr):
+    """Rows [lo, hi) whose windows can reach this program's key tile (ROWSPAN: the query range
+    per key tile), lo aligned to BLOCK_M."""
+    tile = tl.program_id(0)
+    return tl.load(ROWSPAN + 2 * tile) * G // BLOCK_M * BLOCK_M, tl.load(ROWSPAN + 2 * tile + 1) * G
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, START,
+def _fwd_kernel(Q, K, V, O, LSE, START, KEYPOS,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-                T, H, G, W, qk_scale,
+                T, TK, H, G, W, qk_scale,
                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     r0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
     kvh = tl.program_id(1) % H
     tok, head, ok = _rows(r0, kvh, T, G, BLOCK_M)
-    first = tl.maximum(tok - W + 1, tl.load(START + tok))  # row sees keys first .. tok
+    kpos = tl.load(KEYPOS + tok)  # the key each row sits at: it sees keys first .. kpos
+    first = tl.maximum(kpos - W + 1, tl.load(START + tok))
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(Q + _offsets(b, tok, head, sqb, sqt, sqh, dk),
@@ -101,16 +104,16 @@ def _fwd_kernel(Q, K, V, O, LSE, START,
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    lo, hi = _key_span(r0, T, G, W, START, BLOCK_M, BLOCK_N)
+    lo, hi = _key_span(r0, T, G, W, START, KEYPOS, BLOCK_M, BLOCK_N)
     n = lo + tl.arange(0, BLOCK_N)
     k_ptrs = K + _offsets(b, n, kvh, skb, skt, skh, dk)
     v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptrs, mask=(cols[:, None] < T) & (dk[None, :] < DK), other=0.0)
-        v = tl.load(v_ptrs, mask=(cols[:, None] < T) & (dv[None, :] < DV), other=0.0)
+        k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk[None, :] < DK), other=0.0)
+        v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= tok[:, None])
+        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= kpos[:, None])
         s = tl.where(band, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # a row may see nothing in this tile yet: shift by 0 instead of -inf to avoid inf - inf
@@ -148,10 +151,10 @@ def _delta_kernel(O, DO, DLSE, DELTA, R, DV: tl.constexpr, BLOCK_R: tl.constexpr
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, DKP, DVP,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
                      sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
-                     T, H, G, W, qk_scale, scale,
+                     T, TK, H, G, W, qk_scale, scale,
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr):
@@ -162,8 +165,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, DKP, DVP,
     cols = n0 + tl.arange(0, BLOCK_N)
     dk_r = tl.arange(0, BLOCK_DK)
     dv_r = tl.arange(0, BLOCK_DV)
-    k_mask = (cols[:, None] < T) & (dk_r[None, :] < DK)
-    v_mask = (cols[:, None] < T) & (dv_r[None, :] < DV)
+    k_mask = (cols[:, None] < TK) & (dk_r[None, :] < DK)
+    v_mask = (cols[:, None] < TK) & (dv_r[None, :] < DV)
     k = tl.load(K + _offsets(b, cols, kvh, skb, skt, skh, dk_r), mask=k_mask, other=0.0)
     v = tl.load(V + _offsets(b, cols, kvh, svb, svt, svh, dv_r), mask=v_mask, other=0.0)
     q_base = Q + b.to(tl.int64) * sqb
@@ -172,14 +175,15 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, DKP, DVP,
 
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    lo, hi = _row_span(n0, T, G, W, BLOCK_M, BLOCK_N)
+    lo, hi = _row_span(ROWSPAN, G, BLOCK_M)
     for r0 in range(lo, hi, BLOCK_M):
         # rows map to (token, head) by // and % G, so their offsets are recomputed per tile
         rows = r0 + tl.arange(0, BLOCK_M)
         ok = rows < T * G
         tok = tl.where(ok, rows // G, 0)
         head = kvh * G + rows % G
-        first = tl.maximum(tok - W + 1, tl.load(START + tok))
+        kpos = tl.load(KEYPOS + tok)
+        first = tl.maximum(kpos - W + 1, tl.load(START + tok))
         q = tl.load(q_base + (tok.to(tl.int64) * sqt + head.to(tl.int64) * sqh)[:, None]
                     + dk_r[None, :],
                     mask=ok[:, None] & (dk_r[None, :] < DK), other=0.0)
@@ -191,7 +195,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, DKP, DVP,
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= tok[:, None])
+        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= kpos[:, None])
         p = tl.where(band, tl.exp2(s - lse[:, None]), 0.0)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -205,10 +209,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, DKP, DVP,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, DQP,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, DQP,
                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
                    sdqb, sdqt, sdqh,
-                   T, H, G, W, qk_scale, scale,
+                   T, TK, H, G, W, qk_scale, scale,
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PRECISION: tl.constexpr):
@@ -217,7 +221,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, DQP,
     b = tl.program_id(1) // H
     kvh = tl.program_id(1) % H
     tok, head, ok = _rows(r0, kvh, T, G, BLOCK_M)
-    first = tl.maximum(tok - W + 1, tl.load(START + tok))
+    kpos = tl.load(KEYPOS + tok)
+    first = tl.maximum(kpos - W + 1, tl.load(START + tok))
     dk_r = tl.arange(0, BLOCK_DK)
     dv_r = tl.arange(0, BLOCK_DV)
     q_mask = ok[:, None] & (dk_r[None, :] < DK)
@@ -229,16 +234,16 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, DQP,
     delta = tl.load(DELTA + row, mask=ok, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    lo, hi = _key_span(r0, T, G, W, START, BLOCK_M, BLOCK_N)
+    lo, hi = _key_span(r0, T, G, W, START, KEYPOS, BLOCK_M, BLOCK_N)
     n = lo + tl.arange(0, BLOCK_N)
     k_ptrs = K + _offsets(b, n, kvh, skb, skt, skh, dk_r)
     v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv_r)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptrs, mask=(cols[:, None] < T) & (dk_r[None, :] < DK), other=0.0)
-        v = tl.load(v_ptrs, mask=(cols[:, None] < T) & (dv_r[None, :] < DV), other=0.0)
+        k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk_r[None, :] < DK), other=0.0)
+        v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv_r[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= tok[:, None])
+        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= kpos[:, None])
         p = tl.where(band, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -298,15 +303,22 @@ def _strides(*xs: Tensor) -> list[int]:
     return [s for x in xs for s in x.stride()[:3]]
 
 
-def _triton_fwd(q, k, v, window, scale, cu_seqlens):
+def _positions(q: Tensor, k: Tensor, cu_seqlens: Optional[Tensor],
+               cu_seqlens_k: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(START, KEYPOS) int32 [Tq]: each query's first key and the key it sits at."""
+    return tuple(x.to(torch.int32) for x in
+                 query_keys(q.shape[1], k.shape[1], cu_seqlens, cu_seqlens_k, q.device))
+
+
+def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None):
     B, T, HQ, Dk = q.shape
-    H, Dv = k.shape[2], v.shape[3]
+    Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     meta = _kernel_meta(q, Dk, Dv, backward=False)
     grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
-    _fwd_kernel[grid](q, k, v, o, lse, token_starts(T, cu_seqlens, q.device),
-                      *_strides(q, k, v, o), T, H, HQ // H, min(window, T), scale * _LOG2E,
+    _fwd_kernel[grid](q, k, v, o, lse, *_positions(q, k, cu_seqlens, cu_seqlens_k),
+                      *_strides(q, k, v, o), T, Tk, H, HQ // H, min(window, Tk), scale * _LOG2E,
                       **meta)
     return o, lse
 
@@ -325,21 +337,33 @@ def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
     return delta
 
 
-def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens):
+def _row_spans(keypos: Tensor, Tk: int, window: int, block_n: int) -> Tensor:
+    """int32 [key tiles, 2]: the queries [lo, hi) whose windows reach each tile of block_n keys
+    (query i sees keys (keypos[i] - w, keypos[i]]; keypos is non-decreasing)."""
+    n0 = torch.arange(0, Tk, block_n, device=keypos.device, dtype=torch.int32)
+    lo = torch.searchsorted(keypos, n0)
+    hi = torch.searchsorted(keypos, n0 + block_n - 1 + window - 1, right=True)
+    return torch.stack([lo, hi], 1).to(torch.int32)
+
+
+def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens_k=None):
     B, T, HQ, Dk = q.shape
-    H, Dv = k.shape[2], v.shape[3]
+    Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = HQ // H
     do = do.contiguous()
     delta = _delta(o.contiguous(), do, dlse)
     lse = lse.to(torch.float32).contiguous()
-    starts = token_starts(T, cu_seqlens, q.device)
+    starts, keypos = _positions(q, k, cu_seqlens, cu_seqlens_k)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     meta = _kernel_meta(q, Dk, Dv, backward=True)
-    shared = (T, H, G, min(window, T), scale * _LOG2E, scale)
-    _bwd_dkdv_kernel[(triton.cdiv(T, meta["BLOCK_N"]), B * H)](
-        q, k, v, do, lse, delta, starts, dk, dv, *_strides(q, k, v, do, dk, dv), *shared, **meta)
+    w = min(window, Tk)
+    shared = (T, Tk, H, G, w, scale * _LOG2E, scale)
+    spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"])
+    _bwd_dkdv_kernel[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
+        q, k, v, do, lse, delta, starts, keypos, spans, dk, dv, *_strides(q, k, v, do, dk, dv),
+        *shared, **meta)
     _bwd_dq_kernel[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, starts, dq, *_strides(q, k, v, do, dq), *shared, **meta)
+        q, k, v, do, lse, delta, starts, keypos, dq, *_strides(q, k, v, do, dq), *shared, **meta)
     return dq, dk, dv
 
 
@@ -575,15 +599,28 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, window: int,
                   cu_seqlens: Optional[Tensor]) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [B, T, heads, D]")
-    if k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \
+            or k.shape[1] < q.shape[1]:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}")
+                         f"v {tuple(v.shape)} (k and v hold at least q's tokens)")
     if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of KV heads {k.shape[2]}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if cu_seqlens is not None and (q.shape[0] != 1 or cu_seqlens.dim() != 1):
         raise ValueError("varlen input needs B == 1 and cu_seqlens [N + 1]")
+
+
+def _backend_for(q: Tensor, k: Tensor, v: Tensor, backend: Optional[str],
+                 cu_seqlens_k: Optional[Tensor]) -> str:
+    """select_backend, where queries at an offset (Tq < Tk, cu_seqlens_k) need the Triton
+    kernel: the FA-2 calls here align queries with their keys."""
+    if cu_seqlens_k is None and k.shape[1] == q.shape[1]:
+        return select_backend(q, k, v, backend)
+    if backend not in (None, "triton"):
+        raise ValueError(f"backend {backend!r} aligns queries with their keys; queries at an "
+                         f"offset (Tq < Tk or cu_seqlens_k) run the triton backend")
+    return select_backend(q, k, v, "triton")
 
 
 def _unit_last(x: Tensor) -> Tensor:
@@ -597,26 +634,31 @@ def _unit_last(x: Tensor) -> Tensor:
 
 def sliding_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
                        cu_seqlens: Optional[Tensor] = None,
-                       backend: Optional[str] = None) -> tuple[Tensor, Tensor]:
-    """(o [B,T,HQ,Dv] in q.dtype, lse float32 [B,T,HQ]); query t sees keys (t - w, t]."""
+                       backend: Optional[str] = None, *,
+                       cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(o [B,T,HQ,Dv] in q.dtype, lse float32 [B,T,HQ]); the query at key position p sees keys
+    (p - w, p]: p = t, or Tk - Tq + t when k is longer (per sequence with cu_seqlens_k)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    impl = _BACKENDS[select_backend(q, k, v, backend)]
+    impl = _BACKENDS[_backend_for(q, k, v, backend, cu_seqlens_k)]
     B, T, HQ, _ = q.shape
     if B * T == 0:
         return (q.new_empty(B, T, HQ, v.shape[3]),
                 q.new_empty(B, T, HQ, dtype=torch.float32))
     q, k, v = (_unit_last(x) for x in (q, k, v))
-    return impl.fwd(q, k, v, int(window), float(scale), cu_seqlens)
+    offset = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
+    return impl.fwd(q, k, v, int(window), float(scale), cu_seqlens, **offset)
 
 
 def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                        dlse: Optional[Tensor], window: int, scale: float,
                        cu_seqlens: Optional[Tensor] = None,
-                       backend: Optional[str] = None) -> tuple[Tensor, Tensor, Tensor]:
+                       backend: Optional[str] = None, *,
+                       cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of q, k, v; dS = P * (dP - rowsum(dO * O) + dlse)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    impl = _BACKENDS[select_backend(q, k, v, backend)]
+    impl = _BACKENDS[_backend_for(q, k, v, backend, cu_seqlens_k)]
     if q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, o, do = (_unit_last(x) for x in (q, k, v, o, do))
-    return impl.bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens)
+    offset = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
+    return impl.bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens, **offset)

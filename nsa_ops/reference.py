@@ -70,6 +70,17 @@ def query_layout(T: int, cu_seqlens: Optional[Tensor], device, seqlen_k: Optiona
     return seq, pos + (lens_k - lens_q)[seq]
 
 
+def query_keys(T: int, Tk: int, cu_seqlens: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+               device) -> tuple[Tensor, Tensor]:
+    """Per query row, int64 [T]: (the first packed key of its sequence, the packed key it sits
+    at), for kernels that index keys by packed position (see query_layout)."""
+    seq, pos = query_layout(T, cu_seqlens, device, Tk, cu_seqlens_k)
+    if cu_seqlens is None:
+        return torch.zeros_like(pos), pos
+    cu = (cu_seqlens if cu_seqlens_k is None else cu_seqlens_k).to(device, torch.int64)
+    return cu[seq], cu[seq] + pos
+
+
 def token_starts(T: int, cu_seqlens: Optional[Tensor], device) -> Tensor:
     """First packed token of every token's sequence, int32 [T] (all 0 without cu_seqlens)."""
     if cu_seqlens is None:

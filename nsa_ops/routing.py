@@ -313,7 +313,7 @@ TABLE: tuple[Route, ...] = (
           _first(_importable("flash_attn"), _fa2_common), (("backend", "flash_attn"),)),
     Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,
           _first(_fa2_common, _has_aten_fa2), (("backend", "aten_fa2"),)),
-    Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton_aligned,
+    Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
           (("backend", "triton"),)),
     Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",
           f"{_REF}:sliding_window_attention_backward", _always),

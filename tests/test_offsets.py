@@ -119,11 +119,38 @@ def test_offset_routing():
     x = routing.Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 512, offset=True)
     assert routing.choose("selection_attention", x).impl == "triton"
     assert "offset" in dict(routing.explain("selection_attention", x))["packed_sdpa"]
-    for op in ("sliding_window_attention", "select_blocks"):
+    assert routing.choose("sliding_window_attention", x).impl == "triton"
+    assert "offset" in dict(routing.explain("sliding_window_attention", x))["aten_fa2"]
+    for op in ("compressed_attention", "select_blocks"):
         assert routing.choose(op, x).impl == "reference"
         reasons = dict(routing.explain(op, x))
         assert all(r for impl, r in reasons.items() if impl != "reference")
         assert "offset" in reasons["triton"]
+
+
+@pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
+def test_window_kernel_at_an_offset(B, Tk, Tq, lengths_k, lengths_q, poisoned_empty):
+    """The Triton sliding-window kernels (interpreter, fp32) with queries at an offset."""
+    from nsa_ops.kernels import window as W
+    _, q, k, v, _, cu_k, cu_q = _inputs(B, Tk, Tq, lengths_k, lengths_q)
+    q, k, v = q.float(), k.float(), v.float()
+    off = dict(cu_seqlens_k=cu_k) if cu_k is not None else {}
+    o, lse = W.sliding_window_fwd(q, k, v, 20, 0.3, cu_q, backend="triton", **off)
+    o_ref, lse_ref = R.sliding_window_attention(q.double(), k.double(), v.double(), 20, 0.3, cu_q,
+                                                **off)
+    gen = torch.Generator().manual_seed(9)
+    do, dlse = torch.randn(o.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    grads = W.sliding_window_bwd(q, k, v, o, lse, do, dlse, 20, 0.3, cu_q, backend="triton", **off)
+    want = R.sliding_window_attention_backward(q.double(), k.double(), v.double(), o_ref, lse_ref,
+                                               do.double(), dlse.double(), 20, 0.3, cu_q, **off)
+    atol, rtol = TOL[torch.float32]
+    torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=atol, rtol=rtol)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+    if Tq != Tk or cu_k is not None:  # the FA-2 backends refuse offsets by name
+        with pytest.raises(ValueError, match="aligns queries"):
+            W.sliding_window_fwd(q, k, v, 20, 0.3, cu_q, backend="aten_fa2", **off)
 
 
 @pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
