@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.reference import cmp_layout, num_cmp, token_layout
+from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # kernels work in base 2 (exp2 / log2)
@@ -244,15 +244,18 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEQ, POS, CMP_CU,
 
 
 @triton.jit
-def _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, L: tl.constexpr, STRIDE: tl.constexpr,
+def _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, VSTART, L: tl.constexpr, STRIDE: tl.constexpr,
                  VARLEN: tl.constexpr):
-    """Tokens [first, end) that see compressed row c: its sequence from block end i*d + l - 1 on."""
+    """Tokens [first, end) that see compressed row c: its sequence's queries from the one at key
+    position i*d + l - 1 on. VSTART[s] = CU[s] - (keys - queries of s): the query index of key
+    position 0, so queries at the end of longer keys see rows from their first token on."""
     if VARLEN:
         seq = tl.load(KSEQ + c, mask=cvalid, other=0)
         idx = tl.load(KIDX + c, mask=cvalid, other=0)
         seq_start = tl.load(CU + seq, mask=cvalid, other=0)
         seq_end = tl.load(CU + seq + 1, mask=cvalid, other=0)
-        return seq_start + idx * STRIDE + L - 1, seq_end
+        view_start = tl.load(VSTART + seq, mask=cvalid, other=0)
+        return tl.maximum(view_start + idx * STRIDE + L - 1, seq_start), seq_end
     return c * STRIDE + L - 1, tl.zeros_like(c) + T
 
 
@@ -285,7 +288,7 @@ def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, sqt, sqh, sdt, sdh,
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ, KIDX, CU,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ, KIDX, CU, VSTART,
                  sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sdb, sdt, sdh,
                  sgkb, sgkn, sgkh, sgvb, sgvn, sgvh,
                  T, NC, H, G, HQ, scale, qk_scale,
@@ -300,7 +303,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
     cvalid = c < NC
     k = _load_keys(K + b * skb + kvh * skh, c, skn, DK, DK_PAD, cvalid)
     v = _load_keys(V + b * svb + kvh * svh, c, svn, DV, DV_PAD, cvalid)
-    first, end = _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, L, STRIDE, VARLEN)
+    first, end = _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, VSTART, L, STRIDE, VARLEN)
 
     # token tiles from q_start: [q_start, full_lo) masked, then whole tiles inside
     # [full_lo, full_hi) (every token sees every key of the tile) unmasked, then the rest masked
@@ -491,13 +494,15 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
 # --------------------------------------------------------------------------------------------
 
 class _Layout(NamedTuple):
-    """Varlen index arrays (int32, device); all None for fixed-length batches."""
-    seq: Optional[Tensor] = None      # [T] sequence of each packed token
-    pos: Optional[Tensor] = None      # [T] position inside its sequence
+    """Per-token and per-row index arrays (int32, device) for varlen input and for queries at
+    the end of longer keys; all None for aligned fixed-length batches (VARLEN off)."""
+    seq: Optional[Tensor] = None      # [T] sequence of each packed query
+    pos: Optional[Tensor] = None      # [T] key position it sits at inside its sequence
     cmp_cu: Optional[Tensor] = None   # [N+1] first compressed row of each sequence
     key_seq: Optional[Tensor] = None  # [NC] sequence of each compressed row
     key_idx: Optional[Tensor] = None  # [NC] block index inside its sequence
-    cu: Optional[Tensor] = None       # [N+1] cu_seqlens
+    cu: Optional[Tensor] = None       # [N+1] the queries' cu_seqlens
+    view_start: Optional[Tensor] = None  # [N] query index of each sequence's key position 0
 
     @property
     def varlen(self) -> bool:
@@ -505,18 +510,29 @@ class _Layout(NamedTuple):
 
 
 def _layout(T: int, NC: int, block_len: int, block_stride: int, cu_seqlens: Optional[Tensor],
-            device, with_keys: bool = False) -> _Layout:
-    if cu_seqlens is None:
+            device, with_keys: bool = False, seqlen_k: Optional[int] = None,
+            cu_seqlens_k: Optional[Tensor] = None) -> _Layout:
+    """Fixed-length queries at an offset (seqlen_k > T) take the varlen path as one sequence
+    (the arrays do not depend on the batch index)."""
+    Tk = T if seqlen_k is None else seqlen_k
+    if cu_seqlens is None and Tk == T:
         return _Layout()
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    seq, pos = token_layout(T, cu, device)
-    counts = num_cmp(cu[1:] - cu[:-1], block_len, block_stride)
+    i64 = dict(device=device, dtype=torch.int64)
+    cu = torch.tensor([0, T], **i64) if cu_seqlens is None else cu_seqlens.to(**i64)
+    cu_k = cu if cu_seqlens_k is None else cu_seqlens_k.to(**i64)
+    if cu_seqlens is None:
+        cu_k = torch.tensor([0, Tk], **i64)
+    seq, pos = query_layout(T, cu, device, None, cu_k)
+    counts = num_cmp(cu_k[1:] - cu_k[:-1], block_len, block_stride)
     cmp_cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    view_start = cu[:-1] - ((cu_k[1:] - cu_k[:-1]) - (cu[1:] - cu[:-1]))
     i32 = torch.int32
     key_seq = key_idx = None
     if with_keys:
-        key_seq, key_idx = (x.to(i32) for x in cmp_layout(NC, cu, block_len, block_stride, device))
-    return _Layout(seq.to(i32), pos.to(i32), cmp_cu.to(i32), key_seq, key_idx, cu.to(i32))
+        key_seq, key_idx = (x.to(i32) for x in cmp_layout(NC, cu_k, block_len, block_stride,
+                                                            device))
+    return _Layout(seq.to(i32), pos.to(i32), cmp_cu.to(i32), key_seq, key_idx, cu.to(i32),
+                   view_start.to(i32))
 
 
 class _Cfg(NamedTuple):
@@ -620,8 +636,11 @@ def _pad(D: int) -> int:
 
 def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len: int,
                              block_stride: int, scale: float,
-                             cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Compressed-branch attention. Returns o [B,T,HQ,Dv] (q.dtype) and lse fp32 [B,T,HQ]."""
+                             cu_seqlens: Optional[Tensor] = None, *,
+                             seqlen_k: Optional[int] = None,
+                             cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Compressed-branch attention. Returns o [B,T,HQ,Dv] (q.dtype) and lse fp32 [B,T,HQ].
+    seqlen_k / cu_seqlens_k: the keys k_cmp comes from, when queries sit at their end."""
     B, T, HQ, H, G, NC, DK, DV = _dims(q, k_cmp, v_cmp)
     _check(block_len, block_stride, cu_seqlens, B)
     q, k_cmp, v_cmp = _lastdim_contig(q, k_cmp, v_cmp)
@@ -629,7 +648,8 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     if B * T * HQ == 0:
         return o, lse
-    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device)
+    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device,
+                  seqlen_k=seqlen_k, cu_seqlens_k=cu_seqlens_k)
     cfg = _attn_cfg("fwd", G, _tier(q.dtype, DK, DV))
     _fwd_kernel[(triton.cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, o, lse, lay.seq, lay.pos, lay.cmp_cu,
@@ -656,7 +676,9 @@ def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
 def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor, lse: Tensor,
                              do: Tensor, dlse: Optional[Tensor], block_len: int,
                              block_stride: int, scale: float,
-                             cu_seqlens: Optional[Tensor] = None
+                             cu_seqlens: Optional[Tensor] = None, *,
+                             seqlen_k: Optional[int] = None,
+                             cu_seqlens_k: Optional[Tensor] = None
                              ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of compressed_attention_fwd: dS = P * (dO v^T - rowsum(dO * O) + dlse)."""
     B, T, HQ, H, G, NC, DK, DV = _dims(q, k_cmp, v_cmp)
@@ -668,7 +690,8 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     if B * T * HQ == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = _delta(o, do, dlse)
-    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, with_keys=True)
+    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, with_keys=True,
+                  seqlen_k=seqlen_k, cu_seqlens_k=cu_seqlens_k)
     common = dict(L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK),
                   DV_PAD=_pad(DV), VARLEN=lay.varlen, PREC=_prec(q.dtype))
     tier = _tier(q.dtype, DK, DV)
@@ -690,7 +713,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
             dk_acc, dv_acc = dk, dv
         _dkdv_kernel[(key_tiles, B * H, nsplit)](
             q, k_cmp, v_cmp, do, lse, delta, dk_acc, dv_acc, lay.seq, lay.pos, lay.cmp_cu,
-            lay.key_seq, lay.key_idx, lay.cu,
+            lay.key_seq, lay.key_idx, lay.cu, lay.view_start,
             *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
             *_s(dk_acc, 0, 1, 2), *_s(dv_acc, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
             TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
@@ -717,8 +740,10 @@ def _dkdv_splits(programs: int, T: int, tok: int, device) -> int:
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
                   sel_block: int, num_sel: int, scale: float,
-                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
-    """Top-n selection blocks per (token, KV head): int32 [B,T,H,num_sel], ascending, -1 last."""
+                  cu_seqlens: Optional[Tensor] = None, *, seqlen_k: Optional[int] = None,
+                  cu_seqlens_k: Optional[Tensor] = None) -> Tensor:
+    """Top-n selection blocks per (token, KV head): int32 [B,T,H,num_sel], ascending, -1 last
+    (seqlen_k / cu_seqlens_k: queries at the end of longer keys)."""
     B, T, HQ, H, G, NC, DK, _ = _dims(q, k_cmp)
     _check(block_len, block_stride, cu_seqlens, B, sel_block)
     q, k_cmp = _lastdim_contig(q, k_cmp)
@@ -726,9 +751,11 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     out = torch.empty(B, T, H, num_sel, dtype=torch.int32, device=q.device)
     if B * T * H * num_sel == 0:
         return out
-    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device)
+    lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, seqlen_k=seqlen_k,
+                  cu_seqlens_k=cu_seqlens_k)
+    span = key_span(T, NC, block_len, block_stride, seqlen_k, cu_seqlens_k)
     # (at least NSEL_PAD: the top-n takes the NSEL_PAD largest keys)
-    nblk_pad = max(16, triton.next_power_of_2(max(triton.cdiv(T, sel_block), num_sel)))
+    nblk_pad = max(16, triton.next_power_of_2(max(triton.cdiv(span, sel_block), num_sel)))
     tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), nblk_pad,
                                          block_len // block_stride - 1 + sel_block // block_stride)
     _select_kernel[(triton.cdiv(T, tok), B * H)](

@@ -418,7 +418,7 @@ def topn_blocks(score: Tensor, pos: Tensor, sel_block: int, num_sel: int) -> Ten
     return torch.where(picked == key.shape[-1], -1, picked).to(torch.int32)
 
 
-def _key_span(T: int, rows: int, block_len: int, block_stride: int, seqlen_k: Optional[int],
+def key_span(T: int, rows: int, block_len: int, block_stride: int, seqlen_k: Optional[int],
               cu_seqlens_k: Optional[Tensor]) -> int:
     """Tokens that bound every key sequence's length: T, or seqlen_k for queries at an offset;
     with cu_seqlens_k, what `rows` compressed rows can come from (no sequence is longer)."""
@@ -438,7 +438,7 @@ def _block_scorer(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
                                  cu_seqlens_k)
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     _, cidx = cmp_layout(rows, cu_k, block_len, block_stride, q.device)
-    span = _key_span(T, rows, block_len, block_stride, seqlen_k, cu_seqlens_k)
+    span = key_span(T, rows, block_len, block_stride, seqlen_k, cu_seqlens_k)
     overlap = overlap_matrix(cidx, block_len, block_stride, sel_block,
                              max(1, -(-span // sel_block))).to(cdt)
     k32 = k_cmp.to(cdt)

@@ -261,8 +261,6 @@ def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
 
 
 _triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _head_dims_upto(256))
-# the kernels that do not yet place queries at the end of longer keys
-_triton_aligned = _first(_triton, _no_offset)
 _fa2_common = _first(_needs_cuda, _no_offset, _needs_sm80, _half_only("FlashAttention-2"),
                      _equal_head_dims("FlashAttention-2"), _head_dims_upto(256),
                      _head_dim_multiple_of_8("FlashAttention-2"))
@@ -295,18 +293,17 @@ TABLE: tuple[Route, ...] = (
           _cudnn_compressed,
           defer=_cudnn_compressed_preferred),
     Route("compressed_attention", "triton", "nsa_ops.kernels.compressed:compressed_attention_fwd",
-          "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton_aligned),
+          "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton),
     Route("compressed_attention", "reference", f"{_REF}:compressed_attention",
           f"{_REF}:compressed_attention_backward", _always),
-    Route("select_blocks", "triton", "nsa_ops.kernels.compressed:select_blocks", None,
-          _triton_aligned),
+    Route("select_blocks", "triton", "nsa_ops.kernels.compressed:select_blocks", None, _triton),
     Route("select_blocks", "reference", f"{_REF}:select_blocks", None, _always),
     Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
           "nsa_ops.kernels.selection:selection_attention_bwd", _triton,
           defer=_selection_kernel_preferred),
     # the backward reuses the Triton kernels, which serve every input this row serves
     Route("selection_attention", "packed_sdpa", "nsa_ops.packed:selection_attention_packed",
-          "nsa_ops.kernels.selection:selection_attention_bwd", _triton_aligned),
+          "nsa_ops.kernels.selection:selection_attention_bwd", _first(_triton, _no_offset)),
     Route("selection_attention", "reference", f"{_REF}:selection_attention",
           f"{_REF}:selection_attention_backward", _always),
     Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,

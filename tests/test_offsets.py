@@ -1,5 +1,7 @@
 """Queries at an offset (Tq <= Tk, bottom-right aligned): every branch over the last Tq queries of a
 sequence equals the same rows of the full-length computation, fixed length and varlen."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -114,18 +116,49 @@ def test_offset_validation():
 
 
 def test_offset_routing():
-    """The selection kernel takes offsets; the routes that do not yet refuse with a reason."""
+    """The Triton kernels take offsets; packed SDPA, FA-2 and cuDNN refuse them with a reason."""
     from nsa_ops import routing
     x = routing.Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 512, offset=True)
     assert routing.choose("selection_attention", x).impl == "triton"
     assert "offset" in dict(routing.explain("selection_attention", x))["packed_sdpa"]
     assert routing.choose("sliding_window_attention", x).impl == "triton"
     assert "offset" in dict(routing.explain("sliding_window_attention", x))["aten_fa2"]
-    for op in ("compressed_attention", "select_blocks"):
-        assert routing.choose(op, x).impl == "reference"
-        reasons = dict(routing.explain(op, x))
-        assert all(r for impl, r in reasons.items() if impl != "reference")
-        assert "offset" in reasons["triton"]
+    assert routing.choose("select_blocks", x).impl == "triton"
+    x = routing.Inputs.of_compressed(torch.empty(1, 65536, 64, 128, device="meta"),
+                                     torch.empty(1, 4096, 4, 128, device="meta"), 32, 16)
+    x = dataclasses.replace(x, device_type="cuda", sm=(9, 0), dtype=torch.bfloat16, offset=True)
+    assert routing.choose("compressed_attention", x).impl == "triton"
+    assert "offset" in dict(routing.explain("compressed_attention", x))["cudnn"]
+
+
+@pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
+def test_compressed_kernels_at_an_offset(B, Tk, Tq, lengths_k, lengths_q, poisoned_empty):
+    """The Triton compressed-attention and select_blocks kernels (interpreter, fp32) with queries
+    at an offset, against the reference; k_cmp in the padded layout phi returns."""
+    from nsa_ops.kernels import compressed as C
+    _, q, k, v, _, cu_k, cu_q = _inputs(B, Tk, Tq, lengths_k, lengths_q)
+    q, k, v = q.float(), k.float(), v.float()
+    k_cmp, v_cmp = R.compress_mean(k, L, D, cu_k), R.compress_mean(v, L, D, cu_k)
+    off = dict(cu_seqlens_k=cu_k) if cu_k is not None else dict(seqlen_k=Tk)
+    o, lse = C.compressed_attention_fwd(q, k_cmp, v_cmp, L, D, 0.3, cu_q, **off)
+    o_ref, lse_ref = R.compressed_attention(q.double(), k_cmp.double(), v_cmp.double(), L, D, 0.3,
+                                            cu_q, **off)
+    gen = torch.Generator().manual_seed(9)
+    do, dlse = torch.randn(o.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    grads = C.compressed_attention_bwd(q, k_cmp, v_cmp, o, lse, do, dlse, L, D, 0.3, cu_q, **off)
+    want = R.compressed_attention_backward(q.double(), k_cmp.double(), v_cmp.double(), o_ref,
+                                           lse_ref, do.double(), dlse.double(), L, D, 0.3, cu_q,
+                                           **off)
+    atol, rtol = TOL[torch.float32]
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double()[seen], lse_ref[seen], atol=atol, rtol=rtol)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+    idx = C.select_blocks(q, k_cmp, lse, L, D, LP, N, 0.3, cu_q, **off)
+    assert torch.equal(idx, R.select_blocks(q.double(), k_cmp.double(), lse.double(), L, D, LP, N,
+                                            0.3, cu_q, **off))
 
 
 @pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
