@@ -25,6 +25,8 @@ step) is written by `nsa_ops.decode.decode_attention`; see there for how rows ar
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Optional
 
 import torch
@@ -114,6 +116,13 @@ class NSACache:
                                                   None)[:, :n]
                 self.v_cmp[:, first:last] = phi_v(self.v[:, lo:hi], c.block_len, c.block_stride,
                                                   None)[:, :n]
+
+    def fork(self) -> "NSACache":
+        """An independent copy (tensors cloned): one cached prefix, several continuations."""
+        twin = copy.copy(self)
+        for name in ("k", "v", "k_cmp", "v_cmp", "total_reads", "device_length"):
+            setattr(twin, name, getattr(self, name).clone())
+        return twin
 
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more tokens: grow a growing cache, raise if a static one is

@@ -2,7 +2,8 @@
 
 `decode_attention` asks the routing table (op "decode") for an implementation: the Triton kernels
 of `nsa_ops.kernels.decode` (CUDA, Tq == 1, reading the length from the cache's device tensor, so
-CUDA-graph capturable) or `decode_reference` below. Both count reads the same way.
+CUDA-graph capturable), `decode_chunk` (Tq > 1: chunked prefill through the prefill ops with the
+queries at the end of the cached keys) or `decode_reference` below. All count reads the same way.
 
 Reference: query rows sit at positions p = length - Tq .. length - 1 (their K/V already
 appended). Each branch reads only its own cache, through `reference.masked_attention` with
@@ -112,6 +113,30 @@ def decode_reference(q: Tensor, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g
         outs.append(o)
         reads.append(n)
     return torch.cat(outs, 1), torch.cat(reads)
+
+
+def decode_chunk(q: Tensor, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor,
+                 scale: float) -> tuple[Tensor, Tensor]:
+    """Routing entry ("decode", prefill_ops): Tq > 1 newest tokens (chunked prefill, a prompt
+    continued from a cached prefix) through the nsa ops with the queries at the end of the
+    cached keys, so CUDA runs the Triton prefill kernels. Returns (o, reads int64 [Tq]); the
+    reads are reads(S) of the spec, as the reference counts them."""
+    c = cache.config
+    Tq, length = q.shape[1], cache.length
+    nsa = torch.ops.nsa
+    k_cmp, v_cmp = cache.compressed_kv()
+    geometry = (c.block_len, c.block_stride)
+    o_cmp, lse = nsa.compressed_attention(q, k_cmp, v_cmp, *geometry, scale, seqlen_k=length)
+    block_idx = nsa.select_blocks(q, k_cmp, lse, *geometry, c.sel_block, c.num_sel, scale,
+                                  seqlen_k=length)
+    k, v = cache.selection_kv()
+    o_slc, _ = nsa.selection_attention(q, k, v, block_idx, c.sel_block, scale)
+    k_win, v_win, _ = cache.window_kv(length - Tq)
+    o_win, _ = nsa.sliding_window_attention(q, k_win, v_win, c.window, scale)
+    seen = torch.arange(length - Tq + 1, length + 1, device=q.device)  # tokens up to each row
+    reads = reference.num_cmp(seen, *geometry) + c.num_sel * c.sel_block + \
+        seen.clamp(max=c.window)
+    return nsa.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win), reads
 
 
 def decode_attention(q: Tensor, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g_win: Tensor,

@@ -179,10 +179,16 @@ DECODE_MAX_SEL_BLOCKS = 8192
 def _decode_kernel_serves(x: Inputs) -> Optional[str]:
     if x.seqlen != 1:
         return (f"the decode kernel takes one query row per sequence (Tq == 1), got "
-                f"Tq={x.seqlen}; a few tokens at once run the reference")
+                f"Tq={x.seqlen}; several tokens at once run the prefill ops at an offset")
     if x.decode is None:
         return "no cache geometry given (use Inputs.of_cache)"
     return decode_geometry_refusal(x.decode)
+
+
+def _several_rows(x: Inputs) -> Optional[str]:
+    if x.seqlen == 1:
+        return "one query row: the decode kernel or the reference serve a single token"
+    return None
 
 
 def decode_geometry_refusal(geometry: DecodeGeometry) -> Optional[str]:
@@ -322,6 +328,8 @@ TABLE: tuple[Route, ...] = (
           _always),
     Route("decode", "triton", "nsa_ops.kernels.decode:decode_attention_fwd", None,
           _first(_triton, _decode_kernel_serves)),
+    # chunked prefill: the prefill ops (and their kernels) with queries at an offset
+    Route("decode", "prefill_ops", "nsa_ops.decode:decode_chunk", None, _several_rows),
     Route("decode", "reference", "nsa_ops.decode:decode_reference", None, _always),
 )
 

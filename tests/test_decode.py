@@ -75,6 +75,36 @@ def test_chunks_equal_prefill(seed):
     assert torch.equal(reads, expected_reads(m.config))
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_fixed_chunks_equal_prefill(chunk):
+    """Chunked prefill of any chunk length (one call per chunk, through the prefill ops at an
+    offset when it holds several tokens) equals the full prefill at every position."""
+    m = layer("mlp")
+    x = torch.randn(1, 1000 if chunk > 1 else 90, CFG["hidden_size"], dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(chunk))
+    with torch.no_grad():
+        ref = m(x)
+        cache = m.new_cache(1)
+        outs = [m(x[:, t:t + chunk], cache) for t in range(0, x.shape[1], chunk)]
+    torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-10, rtol=0)
+    assert cache.total_reads == sum(m.config.reads(S) for S in range(1, x.shape[1] + 1))
+
+
+def test_forked_cache_serves_several_continuations():
+    m, x = layer(), inputs(1)
+    with torch.no_grad():
+        prefix = m.new_cache(1)
+        m(x[:, :100], prefix)
+        for seed in (3, 4):
+            cont = torch.randn(1, 50, CFG["hidden_size"], dtype=torch.float64,
+                               generator=torch.Generator().manual_seed(seed))
+            cache = prefix.fork()
+            got = m(cont, cache)
+            full = m(torch.cat([x[:, :100], cont], 1))[:, 100:]
+            torch.testing.assert_close(got, full, atol=1e-10, rtol=0)
+        assert prefix.length == 100  # the forks left it alone
+
+
 def test_whole_prompt_then_tokens():
     m, x = layer(), inputs(1)
     with torch.no_grad():

@@ -207,7 +207,7 @@ def test_decode_route():
     cuda = Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 1, decode=SPEC_GEOMETRY)
     assert routing.choose("decode", cuda).impl == "triton"
     several = Inputs("cuda", (9, 0), torch.bfloat16, 128, 128, 4, decode=SPEC_GEOMETRY)
-    assert routing.choose("decode", several).impl == "reference"
+    assert routing.choose("decode", several).impl == "prefill_ops"
     assert "Tq == 1" in dict(routing.explain("decode", several))["triton"]
     assert routing.choose("decode", Inputs("cpu", None, torch.float32, 8, 12, 1,
                                            decode=SPEC_GEOMETRY)).impl == "reference"

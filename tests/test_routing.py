@@ -14,7 +14,12 @@ def chosen(x):
 
 def test_cpu_runs_reference_with_reasons():
     x = Inputs("cpu", None, torch.float32, 64, 64, 1024)
-    assert set(chosen(x).values()) == {"reference"}
+    c = chosen(x)
+    # 1024 query rows over a cache: chunked prefill through the ops (which run the reference)
+    assert c.pop("decode") == "prefill_ops"
+    assert set(c.values()) == {"reference"}
+    assert routing.choose("decode", Inputs("cpu", None, torch.float32, 64, 64, 1)).impl == \
+        "reference"
     for op in routing.OPS:
         refused = [(impl, why) for impl, why in routing.explain(op, x) if why]
         assert refused and all(isinstance(why, str) and why for _, why in refused)
@@ -45,6 +50,7 @@ def test_unequal_head_dims_route_window_to_triton(monkeypatch):
 def test_refusals_fall_back_to_reference(x, why, gate):
     impls = chosen(x)
     assert impls.pop("gate_combine") == gate
+    assert impls.pop("decode") == "prefill_ops"  # several rows: the ops above, at an offset
     assert set(impls.values()) == {"reference"}
     assert why in dict(routing.explain("selection_attention", x))["triton"]
 
