@@ -18,6 +18,10 @@ Dense: B * H * S * (Dk + Dv) * 2. GB/s = bytes / median time; "% peak" divides b
 nominal HBM bandwidth (PEAK_TBPS, by device name) and "% copy" by a measured device-to-device
 copy (read + write bytes / time), the practical ceiling. Prints a table; writes decode.csv and
 decode.png (median step time, log scale) into --out.
+
+Chunked prefill (--chunk C, 0 to skip): the last C of S cached tokens attended at once through
+the prefill ops with the queries at an offset (`nsa_ops.decode.decode_chunk`, B=1), as
+`layer(x_chunk, cache)` runs them; tokens/s = C / median time. Written to chunked_prefill.csv.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ import torch.nn.functional as F
 
 import nsa_ops
 from nsa_ops import reference
-from bench_prefill import run_header
+from nsa_ops.decode import decode_chunk
+from bench_prefill import median_ms, run_header
 from nsa_ops.kernels import decode as decode_kernels
 from nsa_ops.kernels.decode import decode_attention_fwd
 from nsa_ops.results import new_figure, save_figure, write_csv
@@ -88,12 +93,13 @@ def median_replay_us(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, reps: int
     return sorted(times)[len(times) // 2]
 
 
-def filled_cache(S: int, B: int) -> tuple[nsa_ops.NSACache, torch.Tensor, list[torch.Tensor]]:
+def filled_cache(S: int, B: int, device="cuda"
+                 ) -> tuple[nsa_ops.NSACache, torch.Tensor, list[torch.Tensor]]:
     """A static cache holding S random tokens (mean phi), a query row and gates."""
     cfg = nsa_ops.NSAConfig(hidden_size=HQ * D, num_heads=HQ, num_kv_heads=H, head_dim_qk=D,
                             head_dim_v=D)
     dt = torch.bfloat16
-    cache = nsa_ops.NSACache(cfg, B, capacity=S, dtype=dt, device="cuda")
+    cache = nsa_ops.NSACache(cfg, B, capacity=S, dtype=dt, device=device)
     torch.manual_seed(0)
     cache.k.normal_()
     cache.v.normal_()
@@ -104,8 +110,8 @@ def filled_cache(S: int, B: int) -> tuple[nsa_ops.NSACache, torch.Tensor, list[t
                                                     cfg.block_stride)[:, :rows]
     cache.length = S
     cache.device_length.fill_(S)
-    q = torch.randn(B, 1, HQ, D, device="cuda", dtype=dt)
-    gates = [torch.rand(B, 1, HQ, device="cuda", dtype=dt) for _ in range(3)]
+    q = torch.randn(B, 1, HQ, D, device=device, dtype=dt)
+    gates = [torch.rand(B, 1, HQ, device=device, dtype=dt) for _ in range(3)]
     return cache, q, gates
 
 
@@ -122,6 +128,17 @@ def dense_step_us(cache, q, flush: torch.Tensor, reps: int) -> float:
     return median_replay_us(
         graph_of(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)), flush,
         reps)
+
+
+def chunked_prefill(S: int, chunk: int, device="cuda") -> dict:
+    """Median ms of attending the last `chunk` of S cached tokens at once (B=1)."""
+    cache, _, _ = filled_cache(S, 1, device)
+    dt = cache.dtype
+    q = torch.randn(1, chunk, HQ, D, device=device, dtype=dt)
+    gates = [torch.rand(1, chunk, HQ, device=device, dtype=dt) for _ in range(3)]
+    with torch.no_grad():
+        ms = median_ms(lambda: decode_chunk(q, cache, *gates, cache.config.scale))
+    return dict(S=S, chunk=chunk, ms=ms, tokens_per_s=chunk / ms * 1e3)
 
 
 def measure(S: int, B: int, flush: torch.Tensor, reps: int) -> dict:
@@ -164,6 +181,7 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     from tqdm import tqdm
@@ -193,6 +211,13 @@ def main() -> None:
               f"{r['pct_peak']:6.1f}% {r['pct_copy']:6.1f}% {r['dense_GBps']:10.0f}")
 
     out = Path(args.out)
+    if args.chunk:
+        chunks = [chunked_prefill(S, args.chunk) for S in args.seqlens]
+        print(f"\nchunked prefill, {args.chunk} tokens per call (B=1)")
+        print(f"{'S':>6s} {'ms':>8s} {'tokens/s':>10s}")
+        for r in chunks:
+            print(f"{r['S']:6d} {r['ms']:8.2f} {r['tokens_per_s']:10.0f}")
+        write_csv(out / "chunked_prefill.csv", chunks, header)
     header += f" hbm_peak_TBps={peak} copy_TBps={copy:.3f}"
     write_csv(out / "decode.csv", rows, header)
     plot(rows, out / "decode.png", header)
