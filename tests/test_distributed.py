@@ -55,6 +55,59 @@ def test_context_parallel_equals_single_device(world):
     mp.spawn(_check, args=(world, _free_port()), nprocs=world, join=True)
 
 
+LAYER = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=8,
+             block_len=16, block_stride=8, sel_block=16, num_sel=3, window=24)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(LAYER["hidden_size"])
+        self.attn = nsa_ops.NSAAttention(nsa_ops.NSAConfig(**LAYER))
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+def _fsdp2(rank: int, world: int, port: int) -> None:
+    """Two NSAAttention blocks, each and the whole sharded with fully_shard, compiled: the
+    gradients of a data-parallel step equal the unsharded model's on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        mesh = init_device_mesh("cpu", (world,))
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(torch.nn.Sequential(Block(), Block()))
+        ref, sharded = models
+        for block in sharded:
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        x = torch.randn(2 * world, 40, LAYER["hidden_size"],
+                        generator=torch.Generator().manual_seed(1))
+        mine = x[2 * rank:2 * rank + 2]
+        loss = torch.compile(sharded)(mine).square().mean()
+        loss.backward()
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        losses = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(losses, loss.detach())
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach())
+        for (name, p), (_, p_ref) in zip(sharded.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, atol=1e-6, rtol=1e-4,
+                                       msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_compiled_nsa_blocks_equal_unsharded():
+    mp.spawn(_fsdp2, args=(2, _free_port()), nprocs=2, join=True)
+
+
 @pytest.mark.gpu
 def test_context_parallel_nccl():
     world = torch.cuda.device_count()
