@@ -49,13 +49,18 @@ def main():
     write_csv(Path(args.out) / "kernels.csv", rows, run_header())
 
 
-def bench_length(T: int, kernels: list[str], rows: list[dict]) -> None:
-    dev, dt = "cuda", torch.bfloat16
+def spec_inputs(T: int, device="cuda") -> tuple[torch.Tensor, ...]:
+    """(q, k, v, do) of the benchmarks' geometry at T tokens, bf16, seeded: what bench_kernels
+    and the tune_* sweeps time."""
     torch.manual_seed(0)
-    q = torch.randn(1, T, HQ, D, device=dev, dtype=dt)
-    k = torch.randn(1, T, H, D, device=dev, dtype=dt)
-    v = torch.randn(1, T, H, D, device=dev, dtype=dt)
-    do = torch.randn_like(q)
+    q = torch.randn(1, T, HQ, D, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, T, H, D, device=device, dtype=torch.bfloat16)
+    v = torch.randn(1, T, H, D, device=device, dtype=torch.bfloat16)
+    return q, k, v, torch.randn_like(q)
+
+
+def bench_length(T: int, kernels: list[str], rows: list[dict]) -> None:
+    q, k, v, do = spec_inputs(T)
     scale = D ** -0.5
 
     def record(name, fwd, bwd, pairs):
@@ -71,7 +76,7 @@ def bench_length(T: int, kernels: list[str], rows: list[dict]) -> None:
     if "selection" in kernels:
         from nsa_ops.kernels import selection as S
         for n, lp in ((16, 64),):
-            idx = random_selection(T, n, lp, dev)
+            idx = random_selection(T, n, lp, q.device)
             o, lse = S.selection_attention_fwd(q, k, v, idx, lp, scale)
             pairs = HQ * (idx >= 0).sum().item() / H * lp  # upper bound on causal pairs
             record(f"selection n={n} l'={lp}", lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale),

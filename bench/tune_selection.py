@@ -8,22 +8,17 @@ H=4, D=128, n=16, l'=64, bf16, the selection bench_kernels.py times). The backwa
 """
 import argparse
 
-import torch
 import triton.testing
 
 from nsa_ops.kernels import selection as S
-from bench_kernels import D, H, HQ, random_selection
+from bench_kernels import D, random_selection, spec_inputs
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqlen", type=int, default=65536)
     T = p.parse_args().seqlen
-    torch.manual_seed(0)
-    q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    do = torch.randn_like(q)
+    q, k, v, do = spec_inputs(T)
     idx = random_selection(T, 16, 64, "cuda")
     scale = D ** -0.5
     o, lse = S.selection_attention_fwd(q, k, v, idx, 64, scale)

@@ -6,24 +6,19 @@ Used to fill `_TILES` / `_SELECT_TILES` in kernels/compressed.py (B=1, HQ=64, H=
 """
 import argparse
 
-import torch
 import triton.testing
 
 from nsa_ops import reference
 from nsa_ops.kernels import compressed as C
+from bench_kernels import D, spec_inputs
 
-HQ, H, D = 64, 4, 128
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqlen", type=int, default=65536)
     T = p.parse_args().seqlen
-    torch.manual_seed(0)
-    q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    do = torch.randn_like(q)
+    q, k, v, do = spec_inputs(T)
     scale = D ** -0.5
     bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
     base_tiles, base_select = dict(C._TILES), C._SELECT_TILES

@@ -7,12 +7,11 @@ tier). Each row replaces that tier's forward or backward TileConfig.
 """
 import argparse
 
-import torch
 import triton.testing
 
 from nsa_ops.kernels import window as W
+from bench_kernels import D, spec_inputs
 
-HQ, H, D = 64, 4, 128
 FWD = ((128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
        (256, 64, 8, 2), (64, 128, 4, 2))
 BWD = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3),
@@ -25,11 +24,7 @@ def main():
     p.add_argument("--window", type=int, default=512)
     args = p.parse_args()
     T, w = args.seqlen, args.window
-    torch.manual_seed(0)
-    q = torch.randn(1, T, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16)
-    do = torch.randn_like(q)
+    q, k, v, do = spec_inputs(T)
     scale = D ** -0.5
     bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
     o, lse = W.sliding_window_fwd(q, k, v, w, scale, backend="aten_fa2")

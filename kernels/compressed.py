@@ -518,14 +518,15 @@ def _layout(T: int, NC: int, block_len: int, block_stride: int, cu_seqlens: Opti
     if cu_seqlens is None and Tk == T:
         return _Layout()
     i64 = dict(device=device, dtype=torch.int64)
-    cu = torch.tensor([0, T], **i64) if cu_seqlens is None else cu_seqlens.to(**i64)
-    cu_k = cu if cu_seqlens_k is None else cu_seqlens_k.to(**i64)
-    if cu_seqlens is None:
-        cu_k = torch.tensor([0, Tk], **i64)
+    if cu_seqlens is None:  # one sequence of T queries over Tk keys
+        cu, cu_k = (torch.tensor([0, n], **i64) for n in (T, Tk))
+    else:
+        cu = cu_seqlens.to(**i64)
+        cu_k = cu if cu_seqlens_k is None else cu_seqlens_k.to(**i64)
     seq, pos = query_layout(T, cu, device, None, cu_k)
-    counts = num_cmp(cu_k[1:] - cu_k[:-1], block_len, block_stride)
+    counts = num_cmp(cu_k.diff(), block_len, block_stride)
     cmp_cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-    view_start = cu[:-1] - ((cu_k[1:] - cu_k[:-1]) - (cu[1:] - cu[:-1]))
+    view_start = cu[:-1] - (cu_k.diff() - cu.diff())
     i32 = torch.int32
     key_seq = key_idx = None
     if with_keys:

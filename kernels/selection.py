@@ -360,25 +360,32 @@ def _strides(x: Tensor) -> tuple[int, int, int]:
 
 
 class _Queries(NamedTuple):
-    """Where each of the Tq queries sits among the keys, int64 [Tq]: start, the first packed key
-    of its sequence; key_pos, the packed key it sits at (bottom-right aligned, see
-    reference.query_layout). Fixed-length kernels need only off = Tk - Tq."""
-    start: Tensor
-    key_pos: Tensor
-    varlen: bool
-    off: int
+    """Where each of the Tq queries sits among the Tk keys (bottom-right aligned, see
+    reference.query_layout). Fixed-length kernels need only off = Tk - Tq; the per-query arrays
+    are built where something reads them (varlen kernels, the dk/dv inverse index)."""
+    Tq: int
+    Tk: int
+    cu_seqlens: Optional[Tensor]
+    cu_seqlens_k: Optional[Tensor]
+    device: torch.device
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def off(self) -> int:
+        return 0 if self.varlen else self.Tk - self.Tq
+
+    def positions(self) -> tuple[Tensor, Tensor]:
+        """int64 [Tq]: (the first packed key of each query's sequence, the key it sits at)."""
+        return query_keys(self.Tq, self.Tk, self.cu_seqlens, self.cu_seqlens_k, self.device)
 
     def kernel_args(self, placeholder: Tensor) -> tuple:
         """(seq_start, key_pos) for the per-token kernels: unread for fixed length."""
         if not self.varlen:
             return placeholder, placeholder
-        return self.start.to(torch.int32), self.key_pos.to(torch.int32)
-
-
-def _queries(Tq: int, Tk: int, cu_seqlens: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-             device) -> _Queries:
-    start, key_pos = query_keys(Tq, Tk, cu_seqlens, cu_seqlens_k, device)
-    return _Queries(start, key_pos, cu_seqlens is not None, Tk - Tq if cu_seqlens is None else 0)
+        return tuple(x.to(torch.int32) for x in self.positions())
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
@@ -399,7 +406,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
         raise ValueError(f"q must have B == 1 with cu_seqlens (packed sequences), got B={B}")
 
 
-def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries, Tk: int, num_seq: int,
+def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
                 queries_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
     """Inverse of block_idx, chunked: which queries selected each (batch, KV head, block).
 
@@ -413,17 +420,20 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries, Tk: int, n
     B, T, H, n = block_idx.shape
     device = block_idx.device
     idx = block_idx.to(torch.int64)
-    pos = queries.key_pos - queries.start  # position inside the key sequence
+    Tk = queries.Tk
+    num_seq = 1 if queries.cu_seqlens is None else queries.cu_seqlens.numel() - 1
+    start, key_pos = queries.positions()
+    pos = key_pos - start  # position inside the key sequence
     valid = distinct_slots(idx) & (idx * sel_block <= pos[None, :, None, None])
     # a block is named by (b, h, its first packed key): unique across sequences, < B*H*Tk
-    first_tok = queries.start[None, :, None, None] + idx * sel_block
+    first_tok = start[None, :, None, None] + idx * sel_block
     bh = (torch.arange(B, device=device)[:, None] * H + torch.arange(H, device=device))
     num_keys = B * H * Tk
     key_dtype = torch.int32 if num_keys < 2 ** 31 - 1 else torch.int64
     key = torch.where(valid, bh[:, None, :, None] * Tk + first_tok, num_keys).to(key_dtype)
     key, order = torch.sort(key.flatten(), stable=True)  # invalid entries (num_keys) go last
     ent = (order // (H * n)) % T
-    ent_tok, ent_pos = ent.to(torch.int32), queries.key_pos[ent].to(torch.int32)
+    ent_tok, ent_pos = ent.to(torch.int32), key_pos[ent].to(torch.int32)
 
     bounds = torch.searchsorted(key, torch.arange(num_keys + 1, device=device, dtype=key_dtype))
     lo, hi = bounds[:-1], bounds[1:]
@@ -463,7 +473,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
         return o, lse.fill_(float("-inf"))
     q, k, v = _rows(q), _rows(k), _rows(v)
     bidx = block_idx.to(torch.int32).contiguous()
-    queries = _queries(T, k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
+    queries = _Queries(T, k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
     _fwd_kernel[(T, B * H)](
         q, k, v, o, lse, bidx, *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
@@ -501,7 +511,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     lse = lse.to(torch.float32).contiguous()
     dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
     bidx = block_idx.to(torch.int32).contiguous()
-    queries = _queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
+    queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     dkp, dvp = _pow2(Dk), _pow2(Dv)
     prec = _precision(q.dtype)
@@ -517,9 +527,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     gp2 = _pow2(G, 1)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
     queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
-    num_seq = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
-    ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, Tk, num_seq,
-                                           queries_per_chunk)
+    ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, queries_per_chunk)
     _dkdv_kernel[(chunks.shape[0], triton.cdiv(sel_block, bn))](
         q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),

@@ -70,6 +70,15 @@ def query_layout(T: int, cu_seqlens: Optional[Tensor], device, seqlen_k: Optiona
     return seq, pos + (lens_k - lens_q)[seq]
 
 
+def key_layout(T: int, cu_seqlens: Optional[Tensor], device, seqlen_k: Optional[int] = None,
+               cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Per key token: (sequence id, position inside its sequence), int64 [Tk]: the keys that
+    query_layout places T queries at the end of (Tk = seqlen_k, default T; cu_seqlens_k, default
+    cu_seqlens)."""
+    return token_layout(T if seqlen_k is None else seqlen_k,
+                        cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, device)
+
+
 def query_keys(T: int, Tk: int, cu_seqlens: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                device) -> tuple[Tensor, Tensor]:
     """Per query row, int64 [T]: (the first packed key of its sequence, the packed key it sits
@@ -283,8 +292,7 @@ def window_mask_fn(T: int, window: int, cu_seqlens: Optional[Tensor], device,
                    cu_seqlens_k: Optional[Tensor] = None) -> MaskFn:
     """Query at position p sees keys (p - w, p] of its own sequence (see query_layout)."""
     seq, pos = query_layout(T, cu_seqlens, device, seqlen_k, cu_seqlens_k)
-    Tk = T if seqlen_k is None else seqlen_k
-    kseq, kpos = token_layout(Tk, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, device)
+    kseq, kpos = key_layout(T, cu_seqlens, device, seqlen_k, cu_seqlens_k)
 
     def mask_fn(t0: int, t1: int) -> Tensor:
         d = pos[t0:t1, None] - kpos[None]
@@ -313,9 +321,8 @@ def selection_mask_fn(block_idx: Tensor, sel_block: int, cu_seqlens: Optional[Te
     B, T, H, n = block_idx.shape
     device = block_idx.device
     seq, pos = query_layout(T, cu_seqlens, device, seqlen_k, cu_seqlens_k)
-    Tk = T if seqlen_k is None else seqlen_k
-    kseq, kpos = token_layout(Tk, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k, device)
-    nblk = -(-Tk // sel_block)
+    kseq, kpos = key_layout(T, cu_seqlens, device, seqlen_k, cu_seqlens_k)
+    nblk = -(-kpos.shape[0] // sel_block)
     key_blk = kpos // sel_block  # [S]
 
     def mask_fn(t0: int, t1: int) -> Tensor:

@@ -144,51 +144,45 @@ def check_seqlen_k(seqlen_k, q: Tensor, cu_seqlens: Optional[Tensor]) -> None:
     check_key_length(q, seqlen_k, None, None, "seqlen_k")
 
 
+def _check_offsets(name: str, cu: Tensor, q: Tensor, length: Optional[int]) -> None:
+    """cu: int32 [N+1] sequence offsets starting at 0, non-decreasing, ending at `length` (the
+    packed length they split; None where the op sees no tensor of it)."""
+    check_tensor(name, cu, 1, "int32 [N+1]")
+    if cu.dtype != torch.int32:
+        _fail(f"{name} must be int32 [N+1], got {cu.dtype}")
+    check_device(name, cu, q)
+    if cu.shape[0] < 2:
+        _fail(f"{name} must have N+1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if q.shape[0] != 1:
+        _fail(f"q must have B == 1 when {name} is given (sequences packed along T), "
+              f"got B={q.shape[0]}")
+    if _values_readable(cu):
+        if int(cu[0]) != 0 or (length is not None and int(cu[-1]) != length):
+            _fail(f"{name} must start at 0 and end at T={length}, got "
+                  f"[{int(cu[0])}, ..., {int(cu[-1])}]")
+        if bool((cu[1:] < cu[:-1]).any()):
+            _fail(f"{name} must be non-decreasing")
+
+
+def check_cu_seqlens(cu_seqlens, q: Tensor) -> None:
+    if cu_seqlens is not None:
+        _check_offsets("cu_seqlens", cu_seqlens, q, q.shape[1])
+
+
 def check_cu_seqlens_k(cu_seqlens_k, cu_seqlens: Optional[Tensor], q: Tensor,
                        Tk: Optional[int] = None) -> None:
     """cu_seqlens_k: one entry per sequence like cu_seqlens_q, each key sequence at least as long
     as its queries, ending at Tk (k's packed length) where k is given."""
     if cu_seqlens_k is None:
         return
-    check_tensor("cu_seqlens_k", cu_seqlens_k, 1, "int32 [N+1]")
-    if cu_seqlens_k.dtype != torch.int32:
-        _fail(f"cu_seqlens_k must be int32 [N+1], got {cu_seqlens_k.dtype}")
-    check_device("cu_seqlens_k", cu_seqlens_k, q)
+    _check_offsets("cu_seqlens_k", cu_seqlens_k, q, Tk)
     if tuple(cu_seqlens_k.shape) != tuple(cu_seqlens.shape):
         _fail(f"cu_seqlens_k must have the shape of cu_seqlens_q {tuple(cu_seqlens.shape)} (one "
               f"entry per sequence), got {tuple(cu_seqlens_k.shape)}")
-    if _values_readable(cu_seqlens_k):
-        if int(cu_seqlens_k[0]) != 0 or (Tk is not None and int(cu_seqlens_k[-1]) != Tk):
-            _fail(f"cu_seqlens_k must start at 0 and end at the keys' length Tk={Tk}, got "
-                  f"[{int(cu_seqlens_k[0])}, ..., {int(cu_seqlens_k[-1])}]")
-        lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        if bool((lens_k < 0).any()):
-            _fail("cu_seqlens_k must be non-decreasing")
-        if _values_readable(cu_seqlens) and \
-                bool((lens_k < cu_seqlens[1:] - cu_seqlens[:-1]).any()):
-            _fail("cu_seqlens_k must give every sequence at least as many keys as "
-                  "cu_seqlens_q gives it queries (queries sit at the end of their keys)")
-
-
-def check_cu_seqlens(cu_seqlens, q: Tensor) -> None:
-    if cu_seqlens is None:
-        return
-    check_tensor("cu_seqlens", cu_seqlens, 1, "int32 [N+1]")
-    if cu_seqlens.dtype != torch.int32:
-        _fail(f"cu_seqlens must be int32 [N+1], got {cu_seqlens.dtype}")
-    check_device("cu_seqlens", cu_seqlens, q)
-    if cu_seqlens.shape[0] < 2:
-        _fail(f"cu_seqlens must have N+1 >= 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    if q.shape[0] != 1:
-        _fail(f"q must have B == 1 when cu_seqlens is given (sequences packed along T), "
-              f"got B={q.shape[0]}")
-    if _values_readable(cu_seqlens):
-        T = q.shape[1]
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != T:
-            _fail(f"cu_seqlens must start at 0 and end at T={T}, got "
-                  f"[{int(cu_seqlens[0])}, ..., {int(cu_seqlens[-1])}]")
-        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
-            _fail("cu_seqlens must be non-decreasing")
+    if _values_readable(cu_seqlens_k) and _values_readable(cu_seqlens) and \
+            bool((cu_seqlens_k.diff() < cu_seqlens.diff()).any()):
+        _fail("cu_seqlens_k must give every sequence at least as many keys as cu_seqlens_q "
+              "gives it queries (queries sit at the end of their keys)")
 
 
 def check_cmp_rows(name: str, k_cmp: Tensor, q: Tensor, block_len: int, block_stride: int,
@@ -233,15 +227,13 @@ def check_lse(lse, q: Tensor) -> None:
     check_device("lse", lse, q)
 
 
-def check_block_idx(block_idx, k: Tensor, sel_block: int, q: Optional[Tensor] = None) -> None:
+def check_block_idx(block_idx, q: Tensor, k: Tensor, sel_block: int) -> None:
     """block_idx [B, Tq, H, n] (q's rows, k's heads), entries -1 or blocks of k's length."""
     check_tensor("block_idx", block_idx, 4, "int32 [B, T, H, n]")
     if block_idx.dtype not in (torch.int32, torch.int64):
         _fail(f"block_idx must be int32 [B, T, H, n], got {block_idx.dtype}")
     check_device("block_idx", block_idx, k, "k")
-    B, T, H = k.shape[:3]
-    if q is not None:
-        T = q.shape[1]
+    B, T, H = k.shape[0], q.shape[1], k.shape[2]
     if tuple(block_idx.shape[:3]) != (B, T, H):
         _fail(f"block_idx must have shape [B, T, H, n] with (B, T, H) = {(B, T, H)}, "
               f"got {tuple(block_idx.shape)}")
@@ -300,7 +292,7 @@ def selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_seqlens,
     check_scale(scale)
     check_cu_seqlens(cu_seqlens, q)
     check_cu_seqlens_k(cu_seqlens_k, cu_seqlens, q, k.shape[1])
-    check_block_idx(block_idx, k, sel_block, q)
+    check_block_idx(block_idx, q, k, sel_block)
 
 
 def sliding_window_attention_args(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None):

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-import nsa_ops
+import nsa_ops  # noqa: F401  (registers torch.ops.nsa)
 from nsa_ops import reference as R
 from nsa_ops.kernels import compressed as cmp_kernels, selection as sel_kernels, window
 from helpers import qkv, rel_err
