@@ -63,15 +63,33 @@ def _lse_log2(lse):
 
 
 @triton.jit
-def _token_blocks(bidx, seq_start, key_pos, b, t, h, T, N, OFF, H: tl.constexpr,
+def _query_keys(cu_q, cu_k, NSEQ, t):
+    """In-kernel `reference.query_keys` for packed sequences: (the first packed key of query t's
+    sequence, the packed key t sits at), found by binary search over cu_q's NSEQ + 1 offsets, so
+    callers (the Inductor template too) need no per-query arrays built on the host side."""
+    lo = tl.zeros([], tl.int32)
+    hi = tl.zeros([], tl.int32) + NSEQ
+    # invariant cu_q[lo] <= t < cu_q[hi]; an empty sequence never holds t
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        right = tl.load(cu_q + mid).to(tl.int64) <= t
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    # bottom-right alignment: the sequence's last query sits at its last key
+    last = tl.load(cu_k + lo + 1).to(tl.int64) - tl.load(cu_q + lo + 1).to(tl.int64) + t
+    return tl.load(cu_k + lo).to(tl.int64), last
+
+
+@triton.jit
+def _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H: tl.constexpr,
                   NP: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The query's block_idx row as a set, its sequence's first key and the key it sits at.
 
     Returns (blocks [NP]: the slot's block, or -1 where the slot is empty or repeats an earlier
     slot's block; the number of slots to walk, up to the last kept one; start; last: the packed
     key position of query t, t + OFF for fixed length, where OFF = Tk - Tq puts queries at the
-    end of longer keys). Callers read slot s as tl.sum(where(slots == s, blocks, 0)): a register
-    reduction, no reload of the row.
+    end of longer keys; varlen: from the offsets cu_q / cu_k of NSEQ sequences). Callers read
+    slot s as tl.sum(where(slots == s, blocks, 0)): a register reduction, no reload of the row.
     """
     row = bidx + ((b * T + t) * H + h) * N
     slots = tl.arange(0, NP)
@@ -82,8 +100,7 @@ def _token_blocks(bidx, seq_start, key_pos, b, t, h, T, N, OFF, H: tl.constexpr,
     blocks = tl.where(keep, blk, -1)
     n_walk = tl.max(tl.where(keep, slots + 1, 0), axis=0)
     if IS_VARLEN:
-        start = tl.load(seq_start + t).to(tl.int64)
-        last = tl.load(key_pos + t).to(tl.int64)
+        start, last = _query_keys(cu_q, cu_k, NSEQ, t)
     else:
         start = tl.zeros([], tl.int64)
         last = t + OFF
@@ -98,9 +115,11 @@ def _token_blocks(bidx, seq_start, key_pos, b, t, h, T, N, OFF, H: tl.constexpr,
 # autotunes over all of them. Eager calls launch the one _per_token_launch names, not an autotuned
 # pick: autotuning times the kernel on its first call, which fails inside CUDA-graph capture and
 # depends on whichever shape came first. Both kernels are bound by moving K/V blocks from L2, so
-# what matters is how many loads are in flight: pipeline depth and programs per SM.
+# what matters is how many loads are in flight: pipeline depth and programs per SM. The picks
+# are the fastest of PER_TOKEN_CONFIGS by bench/tune_selection.py at T=64k (H100, bf16, spec
+# geometry): forward (4, 3) 17.8 ms against 18.5-23.2, dq (2, 3) 36.0 ms against 36.5-43.6.
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 3), (8, 3))
-_PER_TOKEN_PICK = {"fwd": (2, 3), "dq": (4, 3)}
+_PER_TOKEN_PICK = {"fwd": (4, 3), "dq": (2, 3)}
 
 
 def _per_token_launch(kernel: str) -> dict:
@@ -110,14 +129,14 @@ def _per_token_launch(kernel: str) -> dict:
 
 
 @triton.jit
-def selection_fwd_rows(q, k, v, bidx, seq_start, key_pos, b, t, h,
-                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, N, OFF, qk_scale,
+def selection_fwd_rows(q, k, v, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
+                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, N, qk_scale,
                        H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                        BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
                        PREC: tl.constexpr):
     """Attention of the G query heads of (b, t, KV head h) over the token's selected blocks
-    (seq_start, key_pos, OFF: see _token_blocks).
+    (cu_q, cu_k, OFF, NSEQ: see _token_blocks).
 
     Returns the normalised output [GP, DVP] (fp32), lse [GP] (natural log, -inf for rows that saw
     nothing), the query-head indices and their mask. Shared by the eager forward kernel and the
@@ -127,7 +146,7 @@ def selection_fwd_rows(q, k, v, bidx, seq_start, key_pos, b, t, h,
     gmask = g < G
     heads = h * G + g
     qt = _load_tile(q, b * sq_b + t * sq_t + heads * sq_h, gmask, DK, DKP)
-    blocks, n_walk, start, last = _token_blocks(bidx, seq_start, key_pos, b, t, h, T, N, OFF, H,
+    blocks, n_walk, start, last = _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H,
                                                 NP, IS_VARLEN)
     slots = tl.arange(0, NP)
 
@@ -168,9 +187,9 @@ def selection_fwd_rows(q, k, v, bidx, seq_start, key_pos, b, t, h,
 
 
 @triton.jit
-def _fwd_kernel(q, k, v, o, lse, bidx, seq_start, key_pos,
+def _fwd_kernel(q, k, v, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
                 sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-                T, N, OFF, qk_scale,
+                T, N, qk_scale,
                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                 BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -181,17 +200,17 @@ def _fwd_kernel(q, k, v, o, lse, bidx, seq_start, key_pos,
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
-        q, k, v, bidx, seq_start, key_pos, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b,
-        sv_t, sv_h, T, N, OFF, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
+        q, k, v, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+        sv_b, sv_t, sv_h, T, N, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
     _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, out, DV, DVP)
     tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
 
 
 @triton.jit
-def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start, key_pos,
+def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, cu_q, cu_k, OFF, NSEQ,
                sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h,
-               T, N, OFF, scale, qk_scale,
+               T, N, scale, qk_scale,
                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -214,7 +233,7 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, seq_start, key_pos,
         dlt -= tl.load(dlse + stat, mask=gmask, other=0.0)
     tl.store(delta + stat, dlt, mask=gmask)
     lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
-    blocks, n_walk, start, last = _token_blocks(bidx, seq_start, key_pos, b, t, h, T, N, OFF, H,
+    blocks, n_walk, start, last = _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H,
                                                 NP, IS_VARLEN)
     slots = tl.arange(0, NP)
 
@@ -373,19 +392,17 @@ class _Queries(NamedTuple):
     def varlen(self) -> bool:
         return self.cu_seqlens is not None
 
-    @property
-    def off(self) -> int:
-        return 0 if self.varlen else self.Tk - self.Tq
-
     def positions(self) -> tuple[Tensor, Tensor]:
         """int64 [Tq]: (the first packed key of each query's sequence, the key it sits at)."""
         return query_keys(self.Tq, self.Tk, self.cu_seqlens, self.cu_seqlens_k, self.device)
 
     def kernel_args(self, placeholder: Tensor) -> tuple:
-        """(seq_start, key_pos) for the per-token kernels: unread for fixed length."""
+        """(cu_q, cu_k, OFF, NSEQ) for the per-token kernels: the offsets unread for fixed
+        length."""
         if not self.varlen:
-            return placeholder, placeholder
-        return tuple(x.to(torch.int32) for x in self.positions())
+            return placeholder, placeholder, self.Tk - self.Tq, 0
+        cu_k = self.cu_seqlens if self.cu_seqlens_k is None else self.cu_seqlens_k
+        return self.cu_seqlens, cu_k, 0, self.cu_seqlens.numel() - 1
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
@@ -477,7 +494,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     _fwd_kernel[(T, B * H)](
         q, k, v, o, lse, bidx, *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        T, n, queries.off, scale * math.log2(math.e), IS_VARLEN=queries.varlen,
+        T, n, scale * math.log2(math.e), IS_VARLEN=queries.varlen,
         **forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype), **_per_token_launch("fwd"))
     return o, lse
 
@@ -519,7 +536,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, bidx,
         *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
-        T, n, queries.off, scale, scale * math.log2(math.e),
+        T, n, scale, scale * math.log2(math.e),
         H=H, G=G, GP=_pow2(G), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
         BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=queries.varlen,
         HAS_DLSE=dlse is not None, PREC=prec, **_per_token_launch("dq"))

@@ -5,8 +5,11 @@ On CUDA, the routing table (nsa_ops.routing) decides which family serves the inp
 * "triton": the choices are the template below in several launch configs plus packed SDPA as an
   ExternKernelChoice, and Inductor's autotuner times them and keeps the fastest;
 * "packed_sdpa": packed SDPA alone (an SM the kernel is not tuned for, or a short sequence);
-* anything else (CPU, float64, varlen, old GPUs): Inductor's generic fallback, an opaque call of the
-  op, which routes again at run time.
+* anything else (CPU, float64, old GPUs): Inductor's generic fallback, an opaque call of the op,
+  which routes again at run time.
+
+The template serves fixed length, packed sequences (cu_seqlens, or cu_seqlens_q with
+cu_seqlens_k) and queries at an offset (Tq < Tk), as the eager kernel does.
 
 The template runs the same device function as the eager kernel (`selection_fwd_rows` in
 nsa_ops.kernels.selection); what it adds is Inductor's `store_output`, so the gate
@@ -34,19 +37,23 @@ from nsa_ops import routing
 _OP = "selection_attention"
 _LOG2E = math.log2(math.e)
 
+# The template's source in three variants (Inductor templates take a fixed list of input
+# buffers): fixed length, where queries sit OFF = Tk - Tq keys in; packed sequences with one
+# cu_seqlens; packed sequences with cu_seqlens_q and cu_seqlens_k.
 _TEMPLATE_SOURCE = r'''
-{{def_kernel("Q", "K", "V", "BIDX", "LSE")}}
+{{def_kernel("Q", "K", "V", "BIDX", CU_INPUTS"LSE")}}
     T = {{size("Q", 1)}}
+KEYS
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
-        Q, K, V, BIDX, BIDX, BIDX, b, t, h,
+        Q, K, V, BIDX, CU_Q, CU_K, OFF, NSEQ, b, t, h,
         {{stride("Q", 0)}}, {{stride("Q", 1)}}, {{stride("Q", 2)}},
         {{stride("K", 0)}}, {{stride("K", 1)}}, {{stride("K", 2)}},
         {{stride("V", 0)}}, {{stride("V", 1)}}, {{stride("V", 2)}},
-        T, NSLOTS, 0, QK_SCALE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, False, PREC)
+        T, NSLOTS, QK_SCALE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
     lse_off = b * {{stride("LSE", 0)}} + t * {{stride("LSE", 1)}} + heads * {{stride("LSE", 2)}}
     tl.store(LSE + lse_off, lse_row, mask=gmask)
     idx_b = b
@@ -59,6 +66,18 @@ _TEMPLATE_SOURCE = r'''
 
 from nsa_ops.kernels.selection import selection_fwd_rows
 '''
+_KEYS = {
+    "fixed": ("", """    CU_Q = BIDX  # unread
+    CU_K = BIDX
+    OFF = {{size("K", 1)}} - T
+    NSEQ = 0"""),
+    "varlen": ('"CU_Q", ', """    CU_K = CU_Q
+    OFF = 0
+    NSEQ = {{size("CU_Q", 0)}} - 1"""),
+    "varlen_k": ('"CU_Q", "CU_K", ', """    OFF = 0
+    NSEQ = {{size("CU_Q", 0)}} - 1"""),
+}
+
 
 _api: Optional[SimpleNamespace] = None
 _api_error: Optional[str] = None
@@ -98,14 +117,19 @@ def _build_api() -> SimpleNamespace:
     def grid(B, T, HQ, Dk, meta, *, cdiv):
         return (T, B * meta["H"], 1)
 
-    template = TritonTemplate.all_templates.get("nsa_selection_attention") or TritonTemplate(
-        name="nsa_selection_attention", grid=grid,
-        source=_TEMPLATE_SOURCE.replace("STORE_SHAPE", shape))
+    def template(variant: str):
+        name = f"nsa_selection_attention_{variant}"
+        cu_inputs, keys = _KEYS[variant]
+        source = _TEMPLATE_SOURCE.replace("STORE_SHAPE", shape).replace(
+            "CU_INPUTS", cu_inputs).replace("KEYS", keys)
+        return TritonTemplate.all_templates.get(name) or TritonTemplate(name=name, grid=grid,
+                                                                       source=source)
     packed = ExternKernelChoice.lookup("nsa_selection_packed_sdpa") if hasattr(
         ExternKernelChoice, "lookup") else None
     packed = packed or ExternKernelChoice(_packed_sdpa_out, name="nsa_selection_packed_sdpa",
                                           has_out_variant=True)
-    return SimpleNamespace(ir=ir, V=V, empty_strided=empty_strided, template=template,
+    return SimpleNamespace(ir=ir, V=V, empty_strided=empty_strided,
+                           templates={variant: template(variant) for variant in _KEYS},
                            packed=packed, autotune=autotune_select_algorithm,
                            autotune_params=inspect.signature(autotune_select_algorithm)
                            .parameters)
@@ -144,6 +168,15 @@ def _unit_last_stride(ir, V, x):
     return ir.ExternKernel.require_contiguous(x)
 
 
+def _cu_seqlens_input(cu, total):
+    """Autotuning input for cu_seqlens: random offsets would send queries to keys that do not
+    exist. Equal sequences over the total, as many as the graph's hint."""
+    from torch._inductor.virtualized import V
+    num = V.graph.sizevars.size_hint(cu.get_size()[0])
+    return torch.linspace(0, V.graph.sizevars.size_hint(total), num,
+                          device=cu.get_device()).to(cu.get_dtype())
+
+
 def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=None,
                               cu_seqlens_q=None, cu_seqlens_k=None):
     from torch._inductor.lowering import fallback_handler
@@ -154,23 +187,24 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
                                                            cu_seqlens, cu_seqlens_q, cu_seqlens_k)
 
     device = q.get_device()
-    varlen = any(cu is not None for cu in (cu_seqlens, cu_seqlens_q, cu_seqlens_k))
-    if device is None or device.type != "cuda" or varlen:
+    if device is None or device.type != "cuda":
         return fallback()
     api = inductor_api()
     if api is None:
         return fallback()
     V, ir = api.V, api.ir
-    # queries at an offset (Tq < Tk): the template aligns queries with their keys
-    if not V.graph.sizevars.statically_known_equals(q.get_size()[1], k.get_size()[1]):
-        return fallback()
+    # the op's fake has validated the pair: cu_seqlens alone, or cu_seqlens_q with cu_seqlens_k
+    cu_q = cu_seqlens if cu_seqlens is not None else cu_seqlens_q
+    cu_k = cu_seqlens_k
     B, T = q.get_size()[:2]
+    Tk = k.get_size()[1]
+    offset = cu_k is not None or not V.graph.sizevars.statically_known_equals(T, Tk)
     # heads, head dims and slots are static: they pick the template's constexprs
     HQ, Dk, H, Dv, n = (V.graph.sizevars.guard_int(d) for d in (
         q.get_size()[2], q.get_size()[3], k.get_size()[2], v.get_size()[3],
         block_idx.get_size()[3]))
     x = routing.Inputs("cuda", torch.cuda.get_device_capability(device), q.get_dtype(), Dk, Dv,
-                       V.graph.sizevars.size_hint(T), False)
+                       V.graph.sizevars.size_hint(T), cu_q is not None, offset=offset)
     impl = routing.choose(_OP, x).impl
     if impl not in ("triton", "packed_sdpa"):
         return fallback()
@@ -178,28 +212,36 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
     # the template indexes q/k/v rows by their three leading strides and block_idx densely
     q, k, v = (_unit_last_stride(ir, V, t) for t in (q, k, v))
     block_idx = ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(block_idx))
+    cus = [ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(cu))
+           for cu in (cu_q, cu_k) if cu is not None]
     layout = ir.FixedLayout(device, q.get_dtype(), [B, T, HQ, Dv],
                             ir.FlexibleLayout.contiguous_strides([B, T, HQ, Dv]))
     lse = api.empty_strided([B, T, HQ], None, dtype=torch.float32, device=device)
-    inputs = [q, k, v, block_idx, lse]
+    inputs = [q, k, v, block_idx, *cus, lse]
+    input_gen_fns = {3: functools.partial(_valid_block_idx, sel_block=sel_block)}
+    for i, total in enumerate((T, Tk)[:len(cus)]):
+        input_gen_fns[4 + i] = functools.partial(_cu_seqlens_input, total=total)
 
     choices: list = []
     if impl == "triton":
         from nsa_ops.kernels.selection import PER_TOKEN_CONFIGS, forward_constants
+        template = api.templates[("fixed", "varlen", "varlen_k")[len(cus)]]
         constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.get_dtype())
         constants["PREC"] = repr(constants["PREC"])  # rendered into the source as a literal
         for num_warps, num_stages in PER_TOKEN_CONFIGS:
-            api.template.maybe_append_choice(
+            template.maybe_append_choice(
                 choices, input_nodes=inputs, layout=layout, mutated_inputs=[lse],
                 call_sizes=[B, T, HQ, Dk], num_stages=num_stages, num_warps=num_warps,
-                NSLOTS=n, QK_SCALE=scale * _LOG2E, **constants)
-    if routing.route(_OP, "packed_sdpa").refuse(x) is None:
+                NSLOTS=n, QK_SCALE=scale * _LOG2E, IS_VARLEN=bool(cus), **constants)
+    # the extern choice calls packed SDPA at one fixed length; packed batches reach it through
+    # the opaque op, which routes at run time
+    if not cus and routing.route(_OP, "packed_sdpa").refuse(x) is None:
         api.packed.maybe_append_choice(choices, input_nodes=inputs, layout=layout,
                                        sel_block=sel_block, scale=scale)
     if not choices:
         return fallback()
 
-    kwargs = dict(input_gen_fns={3: functools.partial(_valid_block_idx, sel_block=sel_block)})
+    kwargs = dict(input_gen_fns=input_gen_fns)
     if "return_multi_template" in api.autotune_params:
         kwargs["return_multi_template"] = False  # lse's mutation record needs the final node
     result = api.autotune("nsa_selection_attention", choices, inputs, layout, **kwargs)

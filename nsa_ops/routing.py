@@ -56,12 +56,15 @@ class Inputs:
     decode: Optional[DecodeGeometry] = None
     compressed: Optional[CompressedGeometry] = None
     offset: bool = False  # queries at the end of longer keys (Tq < Tk, or cu_seqlens_k given)
+    capturing: bool = False  # called inside CUDA-graph capture
 
     @staticmethod
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False) -> "Inputs":
-        sm = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+        cuda = q.device.type == "cuda"
+        sm = torch.cuda.get_device_capability(q.device) if cuda else None
         return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], q.shape[1],
-                      cu_seqlens is not None, offset=offset)
+                      cu_seqlens is not None, offset=offset,
+                      capturing=cuda and torch.cuda.is_current_stream_capturing())
 
     @staticmethod
     def of_compressed(q: torch.Tensor, v_cmp: torch.Tensor, block_len: int, block_stride: int,
@@ -270,8 +273,15 @@ _triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _
 _fa2_common = _first(_needs_cuda, _no_offset, _needs_sm80, _half_only("FlashAttention-2"),
                      _equal_head_dims("FlashAttention-2"), _head_dims_upto(256),
                      _head_dim_multiple_of_8("FlashAttention-2"))
+def _not_capturing(x: Inputs) -> Optional[str]:
+    if x.capturing:
+        return ("inside CUDA-graph capture: a first cuDNN call builds its plan with a device "
+                "allocation that capture forbids, the Triton kernel serves")
+    return None
+
+
 # head dims up to 128: the shapes measured
-_cudnn_compressed = _first(_needs_cuda, _no_offset, _needs_triton, _needs_sm80,
+_cudnn_compressed = _first(_needs_cuda, _no_offset, _not_capturing, _needs_triton, _needs_sm80,
                            _half_only("cuDNN attention"),
                            _equal_head_dims("cuDNN attention"), _head_dims_upto(128),
                            _head_dim_multiple_of_8("cuDNN attention"), _residue_views_fit,

@@ -250,3 +250,22 @@ def test_gpu_autocast_decode_and_cuda_graph_equal_autocast_prefill():
     assert rel_err(out, ref[:, :T // 2]) < 2e-2
     assert rel_err(stepped, ref[:, T // 2:]) < 2e-2
     assert graphed.length == T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_gpu_fixed_chunks_equal_prefill(chunk):
+    """CUDA, float32: chunked prefill through the kernels (the decode kernel for one token, the
+    prefill ops at an offset for several) equals the full prefill at every position."""
+    torch.manual_seed(chunk)
+    m = NSAAttention(NSAConfig(hidden_size=256, num_heads=16, num_kv_heads=2, head_dim_qk=64,
+                               head_dim_v=64, block_len=32, block_stride=16, sel_block=64,
+                               num_sel=4, window=128, max_position=2000)).cuda()
+    with torch.no_grad():
+        m.gate[-1].weight.normal_(0, 0.3)
+    x = torch.randn(1, 2000 if chunk > 1 else 300, 256, device="cuda")
+    with torch.no_grad():
+        ref = m(x)
+        cache = m.new_cache(1)
+        outs = [m(x[:, t:t + chunk], cache) for t in range(0, x.shape[1], chunk)]
+    assert rel_err(torch.cat(outs, 1), ref) < 1e-4

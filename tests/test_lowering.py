@@ -17,7 +17,7 @@ from torch._inductor.utils import run_and_get_code
 import nsa_ops
 from nsa_ops import lowering, routing
 from nsa_ops.lowering import selection as sel_lowering
-from helpers import SMALL, TOL, gates, qkv, selection_for
+from helpers import SMALL, TOL, cu_seqlens, gates, qkv, selection_for
 
 GEO = dict(SMALL, num_sel=4)
 FALLBACK_CALL = "= torch.ops.nsa.selection_attention.default("  # the opaque call, not comments
@@ -164,4 +164,53 @@ def test_gpu_dynamic_lengths_no_recompile_with_backward(monkeypatch):
         rgrads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
         for g, r in zip(grads, rgrads):
             assert ((g.float() - r.float()).norm() / r.float().norm()) < 2e-2
+    assert counter.frame_count == 1
+
+
+def _packed_selection(q, k, v, block_idx, g_slc, cu_q, cu_k):
+    """Selection over packed sequences (cu_k None: the cu_seqlens shorthand), gated."""
+    keys = dict(cu_seqlens=cu_q) if cu_k is None else dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    o, _ = torch.ops.nsa.selection_attention(q, k, v, block_idx, GEO["sel_block"],
+                                             q.shape[-1] ** -0.5, **keys)
+    return o * g_slc[..., None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["varlen", "varlen_k", "offset"])
+def test_gpu_template_serves_packed_sequences_and_offsets(layout, monkeypatch):
+    """The template (not the opaque op) serves packed sequences and queries at an offset, one
+    graph across packings under dynamic shapes, equal to eager."""
+    monkeypatch.setenv("NSA_OPS_FORCE_IMPL_SELECTION_ATTENTION", "triton")
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    fn = _packed_selection if layout != "offset" else (
+        lambda q, k, v, idx, g, cu_q, cu_k: torch.ops.nsa.selection_attention(
+            q, k, v, idx, GEO["sel_block"], q.shape[-1] ** -0.5)[0] * g[..., None])
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    # sequence counts unlike every other size here: Dynamo would duck-size cu_seqlens with them
+    for lengths in ((700, 1345), (2000, 33, 900, 1100)):
+        total = sum(lengths)
+        q_full, k, v = qkv(1, total, 16, 4, 64, 64, seed=total)
+        idx_full = selection_for(q_full, k, v, GEO, cu_seqlens(lengths))
+        if layout == "varlen":
+            rows, cu_q, cu_k = torch.arange(total), cu_seqlens(lengths), None
+        elif layout == "varlen_k":  # the last third of each sequence's queries
+            tails = [n - n // 3 for n in lengths]
+            rows = torch.cat([torch.arange(s + t, s + n) for s, t, n in
+                              zip(cu_seqlens(lengths)[:-1].tolist(), tails, lengths)])
+            cu_q, cu_k = cu_seqlens([n // 3 for n in lengths]), cu_seqlens(lengths)
+        else:  # one sequence, its last 600 queries
+            idx_full = selection_for(q_full, k, v, GEO)
+            rows, cu_q, cu_k = torch.arange(total - 600, total), None, None
+        g = gates(1, total, 16, seed=total)[1]
+        args = [t.to("cuda", torch.bfloat16) for t in (q_full[:, rows], k, v)] + [
+            idx_full[:, rows].cuda(), g[:, rows].to("cuda", torch.bfloat16),
+            None if cu_q is None else cu_q.cuda(), None if cu_k is None else cu_k.cuda()]
+        if counter.frame_count == 0:
+            out, (code,) = run_and_get_code(compiled, *args)
+            assert FALLBACK_CALL not in code
+            assert any("selection_fwd_rows(" in src for src in _triton_kernels(code).values())
+        else:
+            out = compiled(*args)
+        torch.testing.assert_close(out.float(), fn(*args).float(), atol=2e-2, rtol=2e-2)
     assert counter.frame_count == 1

@@ -228,3 +228,47 @@ def test_offset_ops_pass_opcheck():
             dict(seqlen_k=45))
     opcheck(torch.ops.nsa.selection_attention.default, (q, k, v, idx, LP, 0.25))
     opcheck(torch.ops.nsa.sliding_window_attention.default, (q, k, v, 24, 0.25))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES + [
+    (2, 3000, 1100, None, None), (1, 3000, 700, (1000, 1500, 500), (300, 400, 0))])
+def test_gpu_ops_at_an_offset(B, Tk, Tq, lengths_k, lengths_q):
+    """CUDA, float32: each op's kernel with queries at an offset, forward and gradients, against
+    the same op in float64 on CPU (the reference); selection reads the reference's block_idx,
+    select_blocks' own indices may differ only at near-ties."""
+    _, q, k, v, _, cu_k, cu_q = _inputs(B, Tk, Tq, lengths_k, lengths_q)
+    varlen = cu_k is not None
+    keys = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k) if varlen else {}
+    cmp_keys = keys if varlen else dict(seqlen_k=Tk)
+    k_cmp, v_cmp = R.compress_mean(k, L, D, cu_k), R.compress_mean(v, L, D, cu_k)
+    ref_keys = dict(cu_seqlens_k=cu_k) if varlen else dict(seqlen_k=Tk)
+    _, lse_cmp = R.compressed_attention(q, k_cmp, v_cmp, L, D, 0.3, cu_q, **ref_keys)
+    idx = R.select_blocks(q, k_cmp, lse_cmp, L, D, LP, N, 0.3, cu_q, **ref_keys)
+    nsa = torch.ops.nsa
+    calls = {
+        "compressed": (lambda q, k, v, on: nsa.compressed_attention(q, k, v, L, D, 0.3, **on),
+                       (q, k_cmp, v_cmp), cmp_keys),
+        "selection": (lambda q, k, v, on: nsa.selection_attention(q, k, v, idx.to(q.device), LP,
+                                                                  0.3, **on), (q, k, v), keys),
+        "window": (lambda q, k, v, on: nsa.sliding_window_attention(q, k, v, 24, 0.3, **on),
+                   (q, k, v), keys),
+    }
+    gen = torch.Generator().manual_seed(3)
+    for name, (call, tensors, on) in calls.items():
+        do = torch.randn(q.shape[:3] + (tensors[2].shape[3],), dtype=torch.float64, generator=gen)
+
+        def run(device, dtype):
+            leaves = [t.detach().to(device, dtype).requires_grad_() for t in tensors]
+            moved = {key: x.to(device) if torch.is_tensor(x) else x for key, x in on.items()}
+            o, lse = call(*leaves, moved)
+            (o * do.to(device, dtype)).sum().backward()
+            return [t.double().cpu() for t in (o.detach(), lse.detach(),
+                                               *(x.grad for x in leaves))]
+
+        for got, want in zip(run("cuda", torch.float32), run("cpu", torch.float64)):
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-3, msg=name)
+    on = {key: x.to("cuda") if torch.is_tensor(x) else x for key, x in cmp_keys.items()}
+    got = nsa.select_blocks(*(t.to("cuda", torch.float32) for t in (q, k_cmp, lse_cmp)), L, D,
+                            LP, N, 0.3, **on).cpu()
+    assert (got != idx).any(-1).float().mean() < 1e-3
