@@ -273,6 +273,8 @@ _triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _
 _fa2_common = _first(_needs_cuda, _no_offset, _needs_sm80, _half_only("FlashAttention-2"),
                      _equal_head_dims("FlashAttention-2"), _head_dims_upto(256),
                      _head_dim_multiple_of_8("FlashAttention-2"))
+
+
 def _not_capturing(x: Inputs) -> Optional[str]:
     if x.capturing:
         return ("inside CUDA-graph capture: a first cuDNN call builds its plan with a device "
