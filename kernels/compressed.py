@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_ops.kernels.utils import dot_precision, pow2, unit_last_stride
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
 LOG2E = 1.4426950408889634
@@ -576,7 +577,7 @@ def _tier(dtype: torch.dtype, *dims: int) -> int:
 
 def _rows_cfg(G: int, rows: int) -> tuple[int, int]:
     """(TOK, G_PAD): TOK * G_PAD == max(rows, G_PAD) rows, every row of a token in one program."""
-    g_pad = triton.next_power_of_2(G)
+    g_pad = pow2(G)
     return max(1, rows // g_pad), g_pad
 
 
@@ -613,22 +614,13 @@ def _check(block_len: int, block_stride: int, cu_seqlens: Optional[Tensor], B: i
         raise ValueError("varlen input (cu_seqlens) needs batch size 1")
 
 
-def _lastdim_contig(*xs: Tensor) -> list[Tensor]:
-    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
-
-
-def _prec(dtype: torch.dtype) -> Optional[str]:
-    """fp32 inputs get true fp32 dots (no tf32), matching the reference to ~1e-6."""
-    return "ieee" if dtype == torch.float32 else None
-
-
 def _s(x: Tensor, *dims: int) -> list[int]:
     return [x.stride(d) for d in dims]
 
 
 def _pad(D: int) -> int:
     """Head dims pad to a power of two, at least tl.dot's minimum of 16."""
-    return max(16, triton.next_power_of_2(D))
+    return pow2(D, 16)
 
 
 # --------------------------------------------------------------------------------------------
@@ -644,7 +636,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     seqlen_k / cu_seqlens_k: the keys k_cmp comes from, when queries sit at their end."""
     B, T, HQ, H, G, NC, DK, DV = _dims(q, k_cmp, v_cmp)
     _check(block_len, block_stride, cu_seqlens, B)
-    q, k_cmp, v_cmp = _lastdim_contig(q, k_cmp, v_cmp)
+    q, k_cmp, v_cmp = (unit_last_stride(x) for x in (q, k_cmp, v_cmp))
     o = torch.empty(B, T, HQ, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     if B * T * HQ == 0:
@@ -658,7 +650,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
         T, NC, H, G, HQ, scale * LOG2E,
         L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK), DV_PAD=_pad(DV),
         TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, VARLEN=lay.varlen,
-        PREC=_prec(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PREC=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return o, lse
 
 
@@ -684,7 +676,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     """Gradients of compressed_attention_fwd: dS = P * (dO v^T - rowsum(dO * O) + dlse)."""
     B, T, HQ, H, G, NC, DK, DV = _dims(q, k_cmp, v_cmp)
     _check(block_len, block_stride, cu_seqlens, B)
-    q, k_cmp, v_cmp, o, do = _lastdim_contig(q, k_cmp, v_cmp, o, do)
+    q, k_cmp, v_cmp, o, do = (unit_last_stride(x) for x in (q, k_cmp, v_cmp, o, do))
     lse = lse.to(torch.float32).contiguous()
     # contiguous, as the fake kernels say, whatever the inputs' layout
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k_cmp, v_cmp))
@@ -694,7 +686,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, with_keys=True,
                   seqlen_k=seqlen_k, cu_seqlens_k=cu_seqlens_k)
     common = dict(L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK),
-                  DV_PAD=_pad(DV), VARLEN=lay.varlen, PREC=_prec(q.dtype))
+                  DV_PAD=_pad(DV), VARLEN=lay.varlen, PREC=dot_precision(q.dtype))
     tier = _tier(q.dtype, DK, DV)
     cfg = _attn_cfg("dq", G, tier)
     _dq_kernel[(triton.cdiv(T, cfg.tok), B * H)](
@@ -747,7 +739,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     (seqlen_k / cu_seqlens_k: queries at the end of longer keys)."""
     B, T, HQ, H, G, NC, DK, _ = _dims(q, k_cmp)
     _check(block_len, block_stride, cu_seqlens, B, sel_block)
-    q, k_cmp = _lastdim_contig(q, k_cmp)
+    q, k_cmp = (unit_last_stride(x) for x in (q, k_cmp))
     lse = lse.to(torch.float32).contiguous()
     out = torch.empty(B, T, H, num_sel, dtype=torch.int32, device=q.device)
     if B * T * H * num_sel == 0:
@@ -756,7 +748,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
                   cu_seqlens_k=cu_seqlens_k)
     span = key_span(T, NC, block_len, block_stride, seqlen_k, cu_seqlens_k)
     # (at least NSEL_PAD: the top-n takes the NSEL_PAD largest keys)
-    nblk_pad = max(16, triton.next_power_of_2(max(triton.cdiv(span, sel_block), num_sel)))
+    nblk_pad = pow2(max(triton.cdiv(span, sel_block), num_sel), 16)
     tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), nblk_pad,
                                          block_len // block_stride - 1 + sel_block // block_stride)
     _select_kernel[(triton.cdiv(T, tok), B * H)](
@@ -764,8 +756,8 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
         T, NC, H, G, HQ, scale * LOG2E,
         L=block_len, STRIDE=block_stride, SEL=sel_block, NSEL=num_sel,
-        NSEL_PAD=triton.next_power_of_2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
-        SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=_prec(q.dtype),
+        NSEL_PAD=pow2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
+        SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),
         # each step issues l/d - 1 + l'/d unrolled key loads; pipelining them over 3 stages
         # overflows shared memory (256 KB at l=32, d=16, l'=64, D=128)
         **launch)

@@ -54,6 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels.compressed import key_block, top_n_keys
+from nsa_ops.kernels.utils import dot_precision, pow2
 from nsa_ops.reference import num_cmp
 from nsa_ops.routing import DecodeGeometry, decode_geometry_refusal
 
@@ -467,10 +468,6 @@ class _Plan(NamedTuple):
 _WINDOW_TILE = 64
 
 
-def _pow2(x: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(x))
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -603,15 +600,15 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
     reads = torch.empty(1, dtype=torch.int64, device=dev)
     block_idx = torch.empty(B, 1, H, num_sel, dtype=torch.int32, device=dev)
 
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # 16-bit dots ignore it
-    shared = dict(G=G, G_PAD=_pow2(G, 16), DK=Dk, DV=Dv, DK_PAD=_pow2(Dk, 16),
-                  DV_PAD=_pow2(Dv, 16), PREC=prec, NBLK_CAP=plan.nblk_cap)
+    prec = dot_precision(q.dtype)
+    shared = dict(G=G, G_PAD=pow2(G, 16), DK=Dk, DV=Dv, DK_PAD=pow2(Dk, 16),
+                  DV_PAD=pow2(Dv, 16), PREC=prec, NBLK_CAP=plan.nblk_cap)
     cmp_geometry = dict(L=block_len, STRIDE=block_stride, SEL=sel_block, WINDOW=window,
                         JT=plan.jt, RPB=sel_block // block_stride, WN=_WINDOW_TILE)
-    nblk_pad = _pow2(max(plan.nblk_cap, num_sel), 16)  # >= NSEL_PAD, for top_n_keys
+    nblk_pad = pow2(max(plan.nblk_cap, num_sel), 16)  # >= NSEL_PAD, for top_n_keys
     bs = min(64, sel_block & -sel_block)  # largest power of two dividing l', at most 64
-    selection = dict(NSEL=num_sel, NSEL_PAD=_pow2(num_sel), NBLK_PAD=nblk_pad, BS=bs,
-                     BS_PAD=max(16, bs), GH=min(_pow2(G), max(1, _LP_TILE // nblk_pad)))
+    selection = dict(NSEL=num_sel, NSEL_PAD=pow2(num_sel), NBLK_PAD=nblk_pad, BS=bs,
+                     BS_PAD=max(16, bs), GH=min(pow2(G), max(1, _LP_TILE // nblk_pad)))
     qk_scale = scale * _LOG2E
     strides = (q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3])
     cmp_strides = (*k_cmp.stride()[:3], *v_cmp.stride()[:3])
@@ -635,14 +632,14 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
         **shared, **cmp_geometry)
     _select_kernel[(plan.ns, B * H)](
         q, k, v, length, lp, pm, pl, pacc, pcnt, block_idx, *strides, H, qk_scale,
-        SEL=sel_block, SPS=plan.sps, NC_PAD=_pow2(plan.nc),
+        SEL=sel_block, SPS=plan.sps, NC_PAD=pow2(plan.nc),
         num_warps=max(LAUNCH["select"][0], 8 if nblk_pad > 2048 else 4),
         num_stages=LAUNCH["select"][1], **shared, **selection)
     # PT: up to 64 partials of a branch merge in one step, so their loads are in flight together
     _combine_kernel[(B * HQ,)](
         pm, pl, pacc, pcnt, g_cmp, g_slc, g_win, o, reads, *gate_strides, H, HQ,
-        NC=plan.nc, NW=plan.nw, NPART=npart, NPART_PAD=_pow2(npart), G=G, DV=Dv,
-        DV_PAD=_pow2(Dv, 16), PT=min(64, _pow2(max(plan.nc, plan.nw, plan.ns))), num_warps=4)
+        NC=plan.nc, NW=plan.nw, NPART=npart, NPART_PAD=pow2(npart), G=G, DV=Dv,
+        DV_PAD=pow2(Dv, 16), PT=min(64, pow2(max(plan.nc, plan.nw, plan.ns))), num_warps=4)
     return o, reads, block_idx
 
 

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_ops.kernels.utils import pow2
+
 # Rows (tokens x heads) per program: 32 rows of 128 values is 8 KB per input, enough loads in
 # flight to stream at HBM speed.
 BLOCK_BYTES = 8192
@@ -76,7 +78,7 @@ def _bwd_kernel(DO, OC, OS, OW, GC, GS, GW, DOC, DOS, DOW, DGC, DGS, DGW, R, sgc
 def _launch(o: Tensor) -> tuple[int, dict]:
     """(programs, constexprs) for outputs shaped like o."""
     rows, dv = o.numel() // o.shape[-1], o.shape[-1]
-    dvp = triton.next_power_of_2(dv)
+    dvp = pow2(dv)
     block_r = max(1, min(128, BLOCK_BYTES // (dvp * o.element_size())))
     return triton.cdiv(rows, block_r), dict(DV=dv, DVP=dvp, BLOCK_R=block_r)
 

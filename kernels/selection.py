@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_ops.kernels.utils import dot_precision, pow2, unit_last_stride
 from nsa_ops.reference import distinct_slots, query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -330,15 +331,11 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos,
 # Host side: shapes, configs, the inverse index
 # --------------------------------------------------------------------------------------------
 
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(x))
-
-
 def _key_tile(sel_block: int, cap: int) -> int:
     """Keys per tile, at most cap: the largest power of two dividing l' if that is >= 16 (tl.dot's
     minimum), else l' padded to a power of two with the block's tail masked (l' = 24, 40, ...)."""
     divisor = sel_block & -sel_block
-    return min(cap, divisor if divisor >= 16 else _pow2(sel_block))
+    return min(cap, divisor if divisor >= 16 else pow2(sel_block, 16))
 
 
 def _key_tile_size(sel_block: int, dkp: int, dvp: int) -> int:
@@ -362,16 +359,6 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     if narrow:
         return bn, bm, 4, 3
     return bn, bm, (8 if dtype != torch.float32 else 4), 2
-
-
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs keep fp32 accuracy; 16-bit inputs ignore the setting
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _rows(x: Tensor) -> Tensor:
-    """x with unit stride on the last dim; the kernels take the three leading strides."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _strides(x: Tensor) -> tuple[int, int, int]:
@@ -488,7 +475,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v = (unit_last_stride(x) for x in (q, k, v))
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
     _fwd_kernel[(T, B * H)](
@@ -503,9 +490,9 @@ def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
                       dtype: torch.dtype) -> dict:
     """The constexpr arguments of `selection_fwd_rows` for these shapes (also used by the
     Inductor template, so eager and compiled forwards tile alike)."""
-    dkp, dvp = _pow2(Dk), _pow2(Dv)
-    return dict(H=H, G=HQ // H, GP=_pow2(HQ // H), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
-                BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), PREC=_precision(dtype))
+    dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
+    return dict(H=H, G=HQ // H, GP=pow2(HQ // H, 16), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp,
+                SEL=sel_block, BN=_key_tile_size(sel_block, dkp, dvp), NP=pow2(n), PREC=dot_precision(dtype))
 
 
 def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
@@ -524,24 +511,24 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     if dq.numel() == 0 or n == 0:
         return dq.zero_(), dk.to(k.dtype), dv.to(v.dtype)
     # dO and O meet q's dtype in the dots (an fp32 upstream gradient is rounded like o was)
-    q, k, v, o, do = _rows(q), _rows(k), _rows(v), _rows(o.to(q.dtype)), _rows(do.to(q.dtype))
+    q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o.to(q.dtype), do.to(q.dtype)))
     lse = lse.to(torch.float32).contiguous()
     dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    dkp, dvp = _pow2(Dk), _pow2(Dv)
-    prec = _precision(q.dtype)
+    dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
+    prec = dot_precision(q.dtype)
     _dq_kernel[(T, B * H)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, bidx,
         *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
         T, n, scale, scale * math.log2(math.e),
-        H=H, G=G, GP=_pow2(G), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
-        BN=_key_tile_size(sel_block, dkp, dvp), NP=_pow2(n, 1), IS_VARLEN=queries.varlen,
+        H=H, G=G, GP=pow2(G, 16), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
+        BN=_key_tile_size(sel_block, dkp, dvp), NP=pow2(n), IS_VARLEN=queries.varlen,
         HAS_DLSE=dlse is not None, PREC=prec, **_per_token_launch("dq"))
 
-    gp2 = _pow2(G, 1)
+    gp2 = pow2(G)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
     queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
     ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, queries_per_chunk)

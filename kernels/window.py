@@ -4,12 +4,14 @@ Query t attends keys (t - w, t] of its own sequence. Layouts: q [B,T,HQ,Dk], k [
 v [B,T,H,Dv], G = HQ // H; o [B,T,HQ,Dv] in q's dtype, lse float32 [B,T,HQ] (natural log).
 Varlen: B == 1 and cu_seqlens int32 [N+1]; windows never cross sequences.
 
-Backends, in preference order (`backend=None` takes the first that can serve the inputs):
+Backends (the routing table, nsa_ops.routing, states their limits and order; `backend=None`
+takes the first of its rows that can serve the inputs):
   flash_attn  the flash-attn (>= 2.7) package: FA-2 with window_size=(w-1, 0), causal.
   aten_fa2    the FA-2 kernels bundled with torch (aten::_flash_attention_forward/backward).
-  triton      band-masked flash attention below; serves fp32, Dk != Dv and any G.
-`backend_refusal` is the single capability check (None, or the reason a backend refuses);
-`select_backend` names the backend a call will use.
+  triton      band-masked flash attention below; serves fp32, Dk != Dv, any G and queries at
+              an offset.
+`backend_refusal` asks the routing table why a backend refuses; `select_backend` names the
+backend a call will use.
 
 The FA-2 backends take no lse gradient, so a given dlse costs them a second backward pass
 (`_fa_backward`). Their varlen calls pass T as max_seqlen (a valid upper bound: FA-2 skips tiles
@@ -17,25 +19,26 @@ past each sequence's end), so no path reads cu_seqlens back to the host.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_ops import routing
+from nsa_ops.kernels.utils import dot_precision, pow2, unit_last_stride
 from nsa_ops.reference import query_keys
+from nsa_ops.routing import Inputs
 
 _LOG2E = math.log2(math.e)
 _LN2_C = tl.constexpr(math.log(2.0))  # constexpr: the only globals a kernel may read
 _LOG2E_C = tl.constexpr(_LOG2E)
-_FA_DTYPES = (torch.float16, torch.bfloat16)
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_HEAD_DIM = 256
+_OP = "sliding_window_attention"
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,7 +262,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, DQP,
 # Triton launchers
 # --------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TileConfig:
     block_m: int  # rows (token, query head) per program / per inner step of the dK dV kernel
     block_n: int  # keys per inner step / per program of the dK dV kernel
@@ -288,11 +291,10 @@ def _tile_config(backward: bool, row_bytes: int, on_gpu: bool) -> TileConfig:
 
 
 def _kernel_meta(q: Tensor, dk: int, dv: int, backward: bool) -> dict:
-    block_dk = max(16, triton.next_power_of_2(dk))
-    block_dv = max(16, triton.next_power_of_2(dv))
+    block_dk = pow2(dk, 16)
+    block_dv = pow2(dv, 16)
     cfg = _tile_config(backward, max(block_dk, block_dv) * q.element_size(), q.is_cuda)
-    # fp32 must not silently drop to tf32 on tensor cores; 16-bit inputs ignore the setting
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = dot_precision(q.dtype)
     return dict(DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PRECISION=precision, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
@@ -328,7 +330,7 @@ def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
     B, T, HQ, Dv = o.shape
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=o.device)
     rows = B * T * HQ
-    block_dv = max(16, triton.next_power_of_2(Dv))
+    block_dv = pow2(Dv, 16)
     block_r = max(16, 4096 // block_dv)  # ~4K elements per operand tile
     dlse_arg = delta if dlse is None else dlse.to(torch.float32).contiguous()  # unread when absent
     _delta_kernel[(triton.cdiv(rows, block_r),)](
@@ -505,94 +507,46 @@ def _flash_raw_bwd(do, q, k, v, o, lse, window, scale, cu_seqlens):
 # Capability checks and routing
 # --------------------------------------------------------------------------------------------
 
-def _fa2_serves(q: Tensor, k: Optional[Tensor], v: Optional[Tensor]) -> bool:
-    """FA-2 kernel limits: fp16/bf16 on CUDA sm80+, Dk == Dv <= 256, multiple of 8."""
-    if not (q.is_cuda and q.dtype in _FA_DTYPES):
-        return False
-    if torch.cuda.get_device_capability(q.device)[0] < 8:
-        return False
-    d = q.shape[-1]
-    if d > _MAX_HEAD_DIM or d % 8:
-        return False
-    return all(x is None or (x.dtype == q.dtype and x.shape[-1] == d) for x in (k, v))
-
-
-def _fa2_reason(name: str) -> str:
-    return f"{name} needs fp16/bf16 on CUDA sm80+, q/k/v of one dtype, Dk == Dv <= 256, Dk % 8 == 0"
-
-
-def _flash_attn_refusal(q, k, v) -> Optional[str]:
-    if _flash_attn_interface() is None:
-        return "flash_attn needs the flash-attn package (>= 2.7) importable"
-    return None if _fa2_serves(q, k, v) else _fa2_reason("flash_attn")
-
-
-def _aten_fa2_refusal(q, k, v) -> Optional[str]:
-    if not torch.backends.cuda.is_flash_attention_available():
-        return "aten_fa2 needs a torch build with flash attention (USE_FLASH_ATTENTION)"
-    return None if _fa2_serves(q, k, v) else _fa2_reason("aten_fa2")
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _triton_refusal(q, k, v) -> Optional[str]:
-    if not (q.is_cuda or (q.device.type == "cpu" and _interpreting())):
-        return "triton needs a CUDA tensor (or a CPU tensor with TRITON_INTERPRET=1)"
-    if q.dtype not in _TRITON_DTYPES or any(x is not None and x.dtype != q.dtype for x in (k, v)):
-        return "triton needs q/k/v of one dtype among fp16, bf16, fp32"
-    if not q.is_cuda and q.dtype == torch.bfloat16:
-        return "triton under TRITON_INTERPRET mis-computes bf16 dots; use fp16/fp32 on CPU"
-    if any(x is not None and x.shape[-1] > _MAX_HEAD_DIM for x in (q, v)):
-        return "triton tiles head dims up to 256 (Dk, Dv <= 256)"
-    return None
-
-
-class _Backend(NamedTuple):
-    refusal: Callable[[Tensor, Optional[Tensor], Optional[Tensor]], Optional[str]]
-    fwd: Callable
-    bwd: Callable
-
-
 _BACKENDS = {
-    "flash_attn": _Backend(_flash_attn_refusal, _flash_fwd,
-                           functools.partial(_fa_backward, _flash_raw_bwd)),
-    "aten_fa2": _Backend(_aten_fa2_refusal, _aten_fwd,
-                         functools.partial(_fa_backward, _aten_raw_bwd)),
-    "triton": _Backend(_triton_refusal, _triton_fwd, _triton_bwd),
+    "flash_attn": (_flash_fwd, functools.partial(_fa_backward, _flash_raw_bwd)),
+    "aten_fa2": (_aten_fwd, functools.partial(_fa_backward, _aten_raw_bwd)),
+    "triton": (_triton_fwd, _triton_bwd),
 }
 
 
-def backend_refusal(backend: str, q: Tensor, k: Optional[Tensor] = None,
-                    v: Optional[Tensor] = None) -> Optional[str]:
-    """None if `backend` can serve these inputs, else why not (checks on k/v skipped if absent)."""
+def backend_refusal(backend: str, q: Tensor, v: Optional[Tensor] = None,
+                    offset: bool = False) -> Optional[str]:
+    """None if `backend` can serve q (and v, default shaped like q; queries at an offset if
+    `offset`), else why not: the reason of its row in the routing table, which states every
+    backend's limits. Under TRITON_INTERPRET, CPU tensors stand in for an sm90 GPU's."""
     if backend not in _BACKENDS:
         return f"unknown sliding-window backend {backend!r}; known: {', '.join(_BACKENDS)}"
-    return _BACKENDS[backend].refusal(q, k, v)
+    if backend == "flash_attn" and _flash_attn_interface() is None:
+        return "flash_attn: the flash-attn package (>= 2.7, the backward API used here) is absent"
+    x = Inputs.of(q, q if v is None else v, offset=offset)
+    if backend == "triton" and q.device.type == "cpu" and _interpreting():
+        if q.dtype == torch.bfloat16:
+            return "triton under TRITON_INTERPRET mis-computes bf16 dots; use fp16/fp32 on CPU"
+        x = dataclasses.replace(x, device_type="cuda", sm=(9, 0))
+    return routing.route(_OP, backend).refuse(x)
 
 
-def available_backends(q: Tensor) -> list[str]:
-    """Backends able to serve q (and k/v shaped like it, Dk == Dv), in preference order."""
-    return [name for name in _BACKENDS if backend_refusal(name, q) is None]
-
-
-def select_backend(q: Tensor, k: Tensor, v: Tensor, backend: Optional[str] = None) -> str:
-    """The backend that will run: `backend` if it can serve the inputs, else the first that can.
-
-    Raises ValueError with the refusal reason(s) when nothing fits.
-    """
-    if backend is not None:
-        reason = backend_refusal(backend, q, k, v)
-        if reason is not None:
-            raise ValueError(reason)
-        return backend
-    reasons = {name: backend_refusal(name, q, k, v) for name in _BACKENDS}
+def select_backend(q: Tensor, v: Tensor, backend: Optional[str] = None,
+                   offset: bool = False) -> str:
+    """`backend` if it can serve the inputs, else (backend None) the first of the routing
+    table's rows here that can. Raises ValueError with the refusal reason(s) when nothing fits."""
+    names = [backend] if backend is not None else \
+        [r.impl for r in routing.candidates(_OP) if r.impl in _BACKENDS]
+    reasons = {name: backend_refusal(name, q, v, offset) for name in names}
     for name, reason in reasons.items():
         if reason is None:
             return name
     raise ValueError("no sliding-window backend serves these inputs: "
-                     + "; ".join(reasons.values()))
+                     + "; ".join(f"{name}: {reason}" for name, reason in reasons.items()))
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, window: int,
@@ -613,19 +567,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, window: int,
 
 def _backend_for(q: Tensor, k: Tensor, v: Tensor, backend: Optional[str],
                  cu_seqlens_k: Optional[Tensor]) -> str:
-    """select_backend, where queries at an offset (Tq < Tk, cu_seqlens_k) need the Triton
-    kernel: the FA-2 calls here align queries with their keys."""
-    if cu_seqlens_k is None and k.shape[1] == q.shape[1]:
-        return select_backend(q, k, v, backend)
-    if backend not in (None, "triton"):
-        raise ValueError(f"backend {backend!r} aligns queries with their keys; queries at an "
-                         f"offset (Tq < Tk or cu_seqlens_k) run the triton backend")
-    return select_backend(q, k, v, "triton")
-
-
-def _unit_last(x: Tensor) -> Tensor:
-    """Every backend needs a unit stride along the head dimension."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return select_backend(q, v, backend, offset=cu_seqlens_k is not None or
+                          k.shape[1] != q.shape[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -639,14 +582,14 @@ def sliding_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: floa
     """(o [B,T,HQ,Dv] in q.dtype, lse float32 [B,T,HQ]); the query at key position p sees keys
     (p - w, p]: p = t, or Tk - Tq + t when k is longer (per sequence with cu_seqlens_k)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    impl = _BACKENDS[_backend_for(q, k, v, backend, cu_seqlens_k)]
+    fwd, _ = _BACKENDS[_backend_for(q, k, v, backend, cu_seqlens_k)]
     B, T, HQ, _ = q.shape
     if B * T == 0:
         return (q.new_empty(B, T, HQ, v.shape[3]),
                 q.new_empty(B, T, HQ, dtype=torch.float32))
-    q, k, v = (_unit_last(x) for x in (q, k, v))
+    q, k, v = (unit_last_stride(x) for x in (q, k, v))
     offset = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
-    return impl.fwd(q, k, v, int(window), float(scale), cu_seqlens, **offset)
+    return fwd(q, k, v, int(window), float(scale), cu_seqlens, **offset)
 
 
 def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
@@ -656,9 +599,9 @@ def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
                        cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of q, k, v; dS = P * (dP - rowsum(dO * O) + dlse)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    impl = _BACKENDS[_backend_for(q, k, v, backend, cu_seqlens_k)]
+    _, bwd = _BACKENDS[_backend_for(q, k, v, backend, cu_seqlens_k)]
     if q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    q, k, v, o, do = (_unit_last(x) for x in (q, k, v, o, do))
+    q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o, do))
     offset = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
-    return impl.bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens, **offset)
+    return bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens, **offset)

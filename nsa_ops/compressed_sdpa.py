@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .kernels.utils import unit_last_stride
+
 
 def _groups(T: int, block_len: int, block_stride: int) -> list[tuple[int, int, int, int]]:
     """(first residue, residues, first m, queries = rows) of groups A and B, non-empty ones."""
@@ -58,11 +60,6 @@ def _accumulate(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _unit_last(x: Tensor) -> Tensor:
-    """cuDNN takes any strides but a unit one along the head dimension."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Causal attention [B, HQ, M, D] over [B, H, M, D] (GQA): (o, lse [B, HQ, M] float32)."""
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -87,7 +84,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32. Fixed-length batches with T % d == 0
     (the routing table refuses others)."""
     assert cu_seqlens is None and q.shape[1] % block_stride == 0
-    q, k_cmp, v_cmp = (_unit_last(x) for x in (q, k_cmp, v_cmp))
+    q, k_cmp, v_cmp = (unit_last_stride(x) for x in (q, k_cmp, v_cmp))
     B, T, HQ, _ = q.shape
     o = torch.empty(B, T, HQ, v_cmp.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=_accumulate(q.dtype), device=q.device)
@@ -117,7 +114,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
                           cu_seqlens)
     assert cu_seqlens is None and q.shape[1] % block_stride == 0
     B, T = q.shape[:2]
-    q, k_cmp, v_cmp, o, do = (_unit_last(x.to(q.dtype)) for x in (q, k_cmp, v_cmp, o, do))
+    q, k_cmp, v_cmp, o, do = (unit_last_stride(x.to(q.dtype)) for x in (q, k_cmp, v_cmp, o, do))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dq[:, :min(T, block_len - 1)] = 0
     acc = _accumulate(q.dtype)

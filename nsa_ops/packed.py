@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .kernels.utils import unit_last_stride
 from .reference import distinct_slots, token_layout
 
 # Bytes of gathered K/V per chunk of tokens.
@@ -32,8 +33,7 @@ def _sdpa_with_lse(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float
                    ) -> tuple[Tensor, Tensor]:
     """o [N,H,G,Dv], lse [N,H,G] (float32) of softmax(q k^T * scale + bias) v."""
     if q.device.type == "cuda":
-        # the kernel needs a unit last stride: a q viewed with a stride over its head dim has none
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        q, k, v = (unit_last_stride(x) for x in (q, k, v))
         o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, bias, True, scale=scale)[:2]
         return o, lse[..., :q.shape[2]]  # lse rows are padded to a multiple of 32

@@ -1,0 +1,24 @@
+"""Helpers the kernel launchers share (as fla's ops/utils). Pure PyTorch, no Triton import: the
+SDPA-based routes in nsa_ops (packed, compressed_sdpa) use them too."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def pow2(x: int, lo: int = 1) -> int:
+    """The smallest power of two >= x, at least lo: Triton block shapes are powers of two (and
+    tl.dot operands at least 16 wide)."""
+    return max(lo, 1 << max(0, x - 1).bit_length())
+
+
+def unit_last_stride(x: Tensor) -> Tensor:
+    """x, or a contiguous copy when its last dim has a stride: the kernels (and SDPA) read a head
+    row as one contiguous vector and take the leading strides as they are."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: fp32 inputs get true fp32 dots (no tf32), so the kernels match
+    the reference to ~1e-6; 16-bit inputs ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
