@@ -4,15 +4,17 @@ Importing registers torch.ops.nsa.{compressed_attention, select_blocks, selectio
 sliding_window_attention} (and their backward ops) and their Inductor lowerings (nsa_ops.lowering,
 registered when Inductor loads). See ../shared/NSA-SPEC.md for the contract.
 """
-from . import lowering, ops, reference, routing
+from . import lowering, observe, ops, reference, routing
 from .cache import NSACache
 from .compression import PhiMLP
 from .config import NSAConfig
 from .functional import nsa_attention
 from .module import NSAAttention
+from .observe import parity
 
 lowering.install()
+observe.configure_from_env()
 
-__all__ = ["nsa_attention", "NSAAttention", "NSACache", "NSAConfig", "PhiMLP", "ops", "reference",
-           "routing"]
+__all__ = ["nsa_attention", "NSAAttention", "NSACache", "NSAConfig", "PhiMLP", "observe", "ops",
+           "parity", "reference", "routing"]
 __version__ = "0.1.0"

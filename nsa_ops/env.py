@@ -7,6 +7,13 @@ NSA_OPS_FORCE_IMPL      force one implementation for every op where it can serve
                         NSA_OPS_FORCE_IMPL_SLIDING_WINDOW_ATTENTION=aten_fa2.
 NSA_OPS_CHECK_VALUES    "1": also run value checks (cu_seqlens, block_idx range) on CUDA tensors,
                         at the cost of a device sync per call.
+NSA_OPS_LOG             "info": log, on the `nsa_ops` logger, which implementation serves each (op,
+                        impl, dtype, device) the first time it runs and why the rows ahead of it
+                        did not; "debug": also every call. Installs a stderr handler on that logger
+                        only (nsa_ops.observe).
+NSA_OPS_PARITY          "1", or a fraction such as "0.1": recompute every round(1/fraction)-th
+                        forward call of each op with the reference and log the error, warning above
+                        nsa_ops.observe.TOLERANCE. Syncs the device on each checked call.
 NSA_COMMIT              the commit that written results (bench CSVs, the training showcase) name,
                         for checkouts without .git such as the copy a remote GPU runs.
 """
@@ -15,7 +22,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-VARIABLES = ("NSA_OPS_FORCE_IMPL", "NSA_OPS_FORCE_IMPL_<OP>", "NSA_OPS_CHECK_VALUES", "NSA_COMMIT")
+VARIABLES = ("NSA_OPS_FORCE_IMPL", "NSA_OPS_FORCE_IMPL_<OP>", "NSA_OPS_CHECK_VALUES",
+             "NSA_OPS_LOG", "NSA_OPS_PARITY", "NSA_COMMIT")
 
 
 def forced_impl(op: str) -> Optional[str]:
@@ -25,6 +33,27 @@ def forced_impl(op: str) -> Optional[str]:
 
 def check_values() -> bool:
     return os.environ.get("NSA_OPS_CHECK_VALUES", "0") == "1"
+
+
+def log_level() -> Optional[str]:
+    """One of "info" and "debug", or None when unset."""
+    value = os.environ.get("NSA_OPS_LOG", "").strip().lower()
+    if value not in ("", "info", "debug"):
+        raise ValueError(f'NSA_OPS_LOG must be "info" or "debug", got {value!r}')
+    return value or None
+
+
+def parity_fraction() -> float:
+    """The fraction of forward calls that parity mode checks; 0.0 (off) when unset."""
+    value = os.environ.get("NSA_OPS_PARITY", "").strip()
+    why = f'NSA_OPS_PARITY must be "1" or a fraction in [0, 1], got {value!r}'
+    try:
+        fraction = float(value or 0)
+    except ValueError:
+        raise ValueError(why) from None
+    if not 0 <= fraction <= 1:
+        raise ValueError(why)
+    return fraction
 
 
 def commit_override() -> Optional[str]:

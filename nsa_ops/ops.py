@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from . import routing
+from . import observe, routing
 from . import validation as check
 from .routing import Inputs
 
@@ -23,13 +23,18 @@ _DEVICES = ("cpu", "cuda")
 
 def _route(op: str, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor],
            offset: bool = False) -> routing.Route:
-    return routing.choose(op, Inputs.of(q, v, cu_seqlens, offset))
+    x = Inputs.of(q, v, cu_seqlens, offset)
+    route = routing.choose(op, x)
+    observe.routed(op, route, x)
+    return route
 
 
 def _compressed_route(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
                       cu_seqlens: Optional[Tensor], offset: bool) -> routing.Route:
     x = Inputs.of_compressed(q, v_cmp, block_len, block_stride, cu_seqlens, offset)
-    return routing.choose("compressed_attention", x)
+    route = routing.choose("compressed_attention", x)
+    observe.routed("compressed_attention", route, x)
+    return route
 
 
 def _keys(q: Tensor, Tk, cu_seqlens_k: Optional[Tensor], seqlen_k=None) -> tuple[dict, bool]:
@@ -55,6 +60,7 @@ def _call(target: str, route: routing.Route, *args, **keys):
     # precision rules hold (float32 lse, float32 accumulation), not autocast's per-op casts
     with torch.autocast(args[0].device.type, enabled=False):
         out = routing.resolve(target)(*args, **keys, **dict(route.options))
+        observe.ran(route, target, args, keys, out)
     if isinstance(out, Tensor):
         return out.contiguous()
     return tuple(t.contiguous() for t in out)
@@ -326,7 +332,9 @@ def _gate_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
 def _gate_route(*inputs: Optional[Tensor]) -> routing.Route:
     o_cmp = inputs[0]
     x = dataclasses.replace(Inputs.of(o_cmp, o_cmp), dtype=_gate_dtype(*inputs))
-    return routing.choose("gate_combine", x)
+    route = routing.choose("gate_combine", x)
+    observe.routed("gate_combine", route, x)
+    return route
 
 
 @custom_op("nsa::gate_combine", mutates_args=(), device_types=_DEVICES)
