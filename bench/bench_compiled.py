@@ -1,9 +1,10 @@
 """torch.compile'd NSA layer step vs the same layer run eagerly, at T in {8k, 32k}.
 
     python bench/bench_compiled.py [--seqlens 8192 32768] [--out bench/results]
+                                   [geometry flags | --config FILE.yaml]
 
-One NSAAttention layer (hidden 4096, HQ=64, H=4, D=128, bf16, spec geometry), forward and
-forward+backward, B=1. Columns:
+One NSAAttention layer, bf16, forward and forward+backward, its config from bench/geometry.py
+(default: the spec geometry, hidden 4096). Columns:
   eager_ms         the eager step, wall time (median)
   eager_kernel_ms  the sum of the device times of every kernel the eager step launches
                    (torch.profiler): what the step would cost with no launch or Python overhead
@@ -14,17 +15,14 @@ Prints a table; writes compiled.csv + compiled.png into --out.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+import geometry
 import nsa_ops
 from nsa_ops.results import new_figure, save_figure, write_csv
 from bench_prefill import median_ms, run_header
-
-HIDDEN, HQ, H, D = 4096, 64, 4, 128
 
 
 def kernel_sum_ms(fn, reps=3) -> float:
@@ -68,22 +66,23 @@ def plot(rows, path: Path, title: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = geometry.parser(__doc__)
     p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--out", default="bench/results")
-    args = p.parse_args()
-    header = run_header()
+    args, cfg = geometry.parse(p)
+    from tqdm import tqdm
+
+    header = f"{run_header()} {geometry.describe(cfg, args.batch)} hidden={cfg.hidden_size}"
     print(header)
     torch.manual_seed(0)
-    cfg = nsa_ops.NSAConfig(hidden_size=HIDDEN, num_heads=HQ, num_kv_heads=H, head_dim_qk=D,
-                            head_dim_v=D)
     layer = nsa_ops.NSAAttention(cfg).cuda().to(torch.bfloat16)
     with torch.no_grad():  # gates away from their initial 0.5 so every branch matters
         layer.gate[-1].weight.normal_(0, 0.02)
     compiled = torch.compile(layer, fullgraph=True)
     rows = []
     for T in tqdm(args.seqlens, desc="compiled vs eager", unit="T"):
-        x = torch.randn(1, T, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        x = torch.randn(args.batch, T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
         eager, comp = steps(layer, x), steps(compiled, x)
         for step in ("fwd", "fwd_bwd"):
             rows.append(dict(T=T, step=step, eager_ms=median_ms(eager[step]),

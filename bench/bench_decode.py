@@ -1,9 +1,10 @@
 """Decode benchmark: one NSA decode step (Triton kernels) vs dense SDPA decode, per step latency and
 achieved HBM bandwidth.
 
-    python bench/bench_decode.py [--seqlens 4096 16384 65536] [--batches 1 16 64] [--out DIR]
+    python bench/bench_decode.py [--seqlens 4096 16384 65536] [--batch 1 16 64] [--out DIR]
+                                 [geometry flags | --config FILE.yaml]
 
-HQ=64, H=4, Dk=Dv=128, bf16, spec defaults (l=32, d=16, l'=64, n=16, w=512) on one CUDA device.
+bf16 on one CUDA device, at the geometry of bench/geometry.py (default: the spec's).
 The cache is filled with S random tokens (mean phi) and one attention step for the newest token
 (`nsa_ops.kernels.decode.decode_attention_fwd`: the decode kernels, one launch or three as its
 occupancy heuristic picks, shown in the "launches" column; no projections or cache append) is
@@ -25,13 +26,13 @@ the prefill ops with the queries at an offset (`nsa_ops.decode.decode_chunk`, B=
 """
 from __future__ import annotations
 
-import argparse
 import textwrap
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import geometry
 import nsa_ops
 from nsa_ops import reference
 from nsa_ops.decode import decode_chunk
@@ -40,7 +41,6 @@ from nsa_ops.kernels import decode as decode_kernels
 from nsa_ops.kernels.decode import decode_attention_fwd
 from nsa_ops.results import new_figure, save_figure, write_csv
 
-HQ, H, D = 64, 4, 128
 # nominal HBM bandwidth in TB/s, matched against torch.cuda.get_device_name() in this order
 PEAK_TBPS = (("H200", 4.8), ("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35))
 _FLUSH_BYTES = 512 << 20
@@ -93,11 +93,9 @@ def median_replay_us(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, reps: int
     return sorted(times)[len(times) // 2]
 
 
-def filled_cache(S: int, B: int, device="cuda"
+def filled_cache(cfg: nsa_ops.NSAConfig, S: int, B: int, device="cuda"
                  ) -> tuple[nsa_ops.NSACache, torch.Tensor, list[torch.Tensor]]:
     """A static cache holding S random tokens (mean phi), a query row and gates."""
-    cfg = nsa_ops.NSAConfig(hidden_size=HQ * D, num_heads=HQ, num_kv_heads=H, head_dim_qk=D,
-                            head_dim_v=D)
     dt = torch.bfloat16
     cache = nsa_ops.NSACache(cfg, B, capacity=S, dtype=dt, device=device)
     torch.manual_seed(0)
@@ -110,8 +108,8 @@ def filled_cache(S: int, B: int, device="cuda"
                                                     cfg.block_stride)[:, :rows]
     cache.length = S
     cache.device_length.fill_(S)
-    q = torch.randn(B, 1, HQ, D, device=device, dtype=dt)
-    gates = [torch.rand(B, 1, HQ, device=device, dtype=dt) for _ in range(3)]
+    q = torch.randn(B, 1, cfg.num_heads, cfg.head_dim_qk, device=device, dtype=dt)
+    gates = [torch.rand(B, 1, cfg.num_heads, device=device, dtype=dt) for _ in range(3)]
     return cache, q, gates
 
 
@@ -130,29 +128,30 @@ def dense_step_us(cache, q, flush: torch.Tensor, reps: int) -> float:
         reps)
 
 
-def chunked_prefill(S: int, chunk: int, device="cuda") -> dict:
+def chunked_prefill(cfg: nsa_ops.NSAConfig, S: int, chunk: int, device="cuda") -> dict:
     """Median ms of attending the last `chunk` of S cached tokens at once (B=1)."""
-    cache, _, _ = filled_cache(S, 1, device)
+    cache, _, _ = filled_cache(cfg, S, 1, device)
     dt = cache.dtype
-    q = torch.randn(1, chunk, HQ, D, device=device, dtype=dt)
-    gates = [torch.rand(1, chunk, HQ, device=device, dtype=dt) for _ in range(3)]
+    q = torch.randn(1, chunk, cfg.num_heads, cfg.head_dim_qk, device=device, dtype=dt)
+    gates = [torch.rand(1, chunk, cfg.num_heads, device=device, dtype=dt) for _ in range(3)]
     with torch.no_grad():
         ms = median_ms(lambda: decode_chunk(q, cache, *gates, cache.config.scale))
     return dict(S=S, chunk=chunk, ms=ms, tokens_per_s=chunk / ms * 1e3)
 
 
-def measure(S: int, B: int, flush: torch.Tensor, reps: int) -> dict:
-    cache, q, gates = filled_cache(S, B)
+def measure(cfg: nsa_ops.NSAConfig, S: int, B: int, flush: torch.Tensor, reps: int) -> dict:
+    cache, q, gates = filled_cache(cfg, S, B)
     nsa_us = nsa_step_us(cache, q, gates, flush, reps)
     dense_us = dense_step_us(cache, q, flush, reps)
     c = cache.config
     reads = c.reads(S)
+    H = c.num_kv_heads
     plan = decode_kernels._plan(B, H, S, c.block_len, c.block_stride, c.sel_block, c.num_sel,
                                 c.window, cache.device, None, None)
     del cache
     torch.cuda.empty_cache()
-    nsa_bytes = B * H * reads * 2 * D * 2
-    dense_bytes = B * H * S * 2 * D * 2
+    nsa_bytes = B * H * reads * (c.head_dim_qk + c.head_dim_v) * 2
+    dense_bytes = B * H * S * (c.head_dim_qk + c.head_dim_v) * 2
     return dict(S=S, B=B, launches=1 if plan.fused else 3, reads=reads, nsa_us=nsa_us,
                 dense_us=dense_us,
                 speedup=dense_us / nsa_us, nsa_MB=nsa_bytes / 1e6,
@@ -177,16 +176,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = geometry.parser(__doc__, batch=(1, 16, 64))
     parser.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384, 65536])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
+    args, cfg = geometry.parse(parser)
     from tqdm import tqdm
 
-    header = run_header()
+    header = f"{run_header()} {geometry.describe(cfg, args.batch)}"
     print(header)
     peak = peak_tbps()
     copy = copy_tbps()
@@ -194,9 +192,9 @@ def main() -> None:
           f"measured device-to-device copy {copy:.2f} TB/s")
     flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
-    jobs = [(S, B) for S in args.seqlens for B in args.batches]
+    jobs = [(S, B) for S in args.seqlens for B in args.batch]
     for S, B in tqdm(jobs, desc="decode", unit="case"):
-        r = measure(S, B, flush, args.reps)
+        r = measure(cfg, S, B, flush, args.reps)
         r["pct_peak"] = 100 * r["nsa_GBps"] / (peak * 1e3) if peak else float("nan")
         r["pct_copy"] = 100 * r["nsa_GBps"] / (copy * 1e3)
         rows.append(r)
@@ -212,7 +210,7 @@ def main() -> None:
 
     out = Path(args.out)
     if args.chunk:
-        chunks = [chunked_prefill(S, args.chunk) for S in args.seqlens]
+        chunks = [chunked_prefill(cfg, S, args.chunk) for S in args.seqlens]
         print(f"\nchunked prefill, {args.chunk} tokens per call (B=1)")
         print(f"{'S':>6s} {'ms':>8s} {'tokens/s':>10s}")
         for r in chunks:

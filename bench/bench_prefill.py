@@ -1,9 +1,10 @@
 """Prefill benchmark: forward and forward+backward of NSA vs SDPA causal vs fla's parallel_nsa.
 
     python bench/bench_prefill.py [--seqlens 8192 16384 32768 65536] [--out bench/results]
+                                  [geometry flags | --config FILE.yaml]
 
-B=1, HQ=64, H=4, D=128, bf16 on one CUDA device. Methods:
-  nsa_full     our NSA, spec defaults (l=32, d=16, l'=64, n=16, w=512, phi mean)
+bf16 on one CUDA device, at the geometry of bench/geometry.py (default: the spec's). Methods:
+  nsa_full     our NSA at the geometry, phi mean
   nsa_fla_cfg  our NSA in fla's configuration (l=d=l'=64, n=16, no window branch)
   sdpa_causal  torch scaled_dot_product_attention, causal, GQA
   *_compiled   the two NSA methods under torch.compile (selection lowers to nsa_ops.lowering's
@@ -13,17 +14,15 @@ Prints a table; writes prefill.csv and prefill.png (median ms, log scale) into -
 """
 from __future__ import annotations
 
-import argparse
 import platform
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import geometry
 import nsa_ops
 from nsa_ops.results import commit, new_figure, save_figure, write_csv
-
-HQ, H, D = 64, 4, 128
 
 
 def run_header() -> str:
@@ -33,8 +32,13 @@ def run_header() -> str:
             f"triton={triton.__version__} commit={commit()} python={platform.python_version()}")
 
 
-def nsa_full(q, k, v, g):
-    return nsa_ops.nsa_attention(q, k, v, *g)
+def nsa_full(cfg: nsa_ops.NSAConfig):
+    """Our NSA at cfg's geometry, as a method."""
+    def run(q, k, v, g):
+        return nsa_ops.nsa_attention(q, k, v, *g, block_len=cfg.block_len,
+                                     block_stride=cfg.block_stride, sel_block=cfg.sel_block,
+                                     num_sel=cfg.num_sel, window=cfg.window)
+    return run
 
 
 def nsa_fla_cfg(q, k, v, g):
@@ -77,14 +81,15 @@ def median_ms(fn, warmup=3, reps=10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(method, T: int) -> tuple[float, float]:
+def measure(method, cfg: nsa_ops.NSAConfig, B: int, T: int) -> tuple[float, float]:
     torch.manual_seed(0)
-    dev = "cuda"
-    q = torch.randn(1, T, HQ, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(1, T, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    g = [torch.rand(1, T, HQ, device=dev, dtype=torch.bfloat16) for _ in range(3)]
-    do = torch.randn(1, T, HQ, D, device=dev, dtype=torch.bfloat16)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    HQ, H, Dk, Dv = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
+    q = torch.randn(B, T, HQ, Dk, **bf16, requires_grad=True)
+    k = torch.randn(B, T, H, Dk, **bf16, requires_grad=True)
+    v = torch.randn(B, T, H, Dv, **bf16, requires_grad=True)
+    g = [torch.rand(B, T, HQ, **bf16) for _ in range(3)]
+    do = torch.randn(B, T, HQ, Dv, **bf16)
     with torch.no_grad():
         fwd = median_ms(lambda: method(q, k, v, g))
 
@@ -95,16 +100,17 @@ def measure(method, T: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = geometry.parser(__doc__)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     parser.add_argument("--methods", nargs="+", default=None)
     parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args()
+    args, cfg = geometry.parse(parser)
     from tqdm import tqdm
 
-    methods = {"nsa_full": nsa_full, "nsa_fla_cfg": nsa_fla_cfg, "sdpa_causal": sdpa_causal,
+    full = nsa_full(cfg)
+    methods = {"nsa_full": full, "nsa_fla_cfg": nsa_fla_cfg, "sdpa_causal": sdpa_causal,
                # one compile per length: the template and its autotuning see the real shapes
-               "nsa_full_compiled": torch.compile(nsa_full, fullgraph=True, dynamic=False),
+               "nsa_full_compiled": torch.compile(full, fullgraph=True, dynamic=False),
                "nsa_fla_cfg_compiled": torch.compile(nsa_fla_cfg, fullgraph=True, dynamic=False)}
     fla = fla_nsa()
     if fla is not None:
@@ -112,13 +118,13 @@ def main() -> None:
     if args.methods:
         methods = {k: v for k, v in methods.items() if k in args.methods}
 
-    header = run_header()
+    header = f"{run_header()} {geometry.describe(cfg, args.batch)}"
     print(header)
     rows = []
     jobs = [(name, T) for T in args.seqlens for name in methods]
     for name, T in tqdm(jobs, desc="prefill", unit="case"):
         try:
-            fwd, fwd_bwd = measure(methods[name], T)
+            fwd, fwd_bwd = measure(methods[name], cfg, args.batch, T)
         except torch.cuda.OutOfMemoryError:
             fwd = fwd_bwd = float("nan")
         torch.cuda.empty_cache()

@@ -1,29 +1,29 @@
 """Where the selection kernel overtakes packed SDPA: the per-SM minimum length of the routing table.
 
     python bench/bench_routing.py [--seqlens 256 512 1024 2048 4096 8192] [--batch 1 8]
+                                  [geometry flags | --config FILE.yaml]
 
 Times the selection-attention forward of the two implementations the routing table chooses between
 on CUDA (the Triton kernel and packed SDPA; both rows share the Triton backward, so the forward
-decides) at HQ=64, H=4, D=128, bf16, spec selection (l'=64, n=16), on a random selection of the
-op's format. Prints the table and the crossover (the shortest length from which the kernel is
-faster at every longer length measured), and writes routing.csv + routing.png into --out. The
-crossover goes into nsa_ops.routing.TRITON_SELECTION_MIN_SEQLEN for the device's SM.
+decides) in bf16 at the geometry of bench/geometry.py (default the spec's: l'=64, n=16), on a
+random selection of the op's format. Prints the table and the crossover (the shortest length
+from which the kernel is faster at every longer length measured), and writes routing.csv +
+routing.png into --out. The crossover goes into nsa_ops.routing.TRITON_SELECTION_MIN_SEQLEN for
+the device's SM.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+import geometry
 from nsa_ops.kernels.selection import selection_attention_fwd
 from nsa_ops.packed import selection_attention_packed
 from nsa_ops.results import new_figure, save_figure, write_csv
-from bench_kernels import median_ms, random_selection
+from bench_kernels import median_ms, random_selection, spec_inputs
 from bench_prefill import run_header
 
-HQ, H, D, SEL, N = 64, 4, 128, 64, 16
 IMPLS = {"triton": selection_attention_fwd, "packed_sdpa": selection_attention_packed}
 
 
@@ -55,23 +55,22 @@ def plot(rows, path: Path, title: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = geometry.parser(__doc__, batch=(1, 8))
     p.add_argument("--seqlens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--out", default="bench/results")
-    args = p.parse_args()
-    header = run_header()
+    args, geo = geometry.parse(p)
+    from tqdm import tqdm
+
+    header = f"{run_header()} {geometry.describe(geo, args.batch)}"
     print(header)
     rows = []
     for B in args.batch:
         for T in tqdm(args.seqlens, desc=f"routing B={B}", unit="T"):
             torch.manual_seed(0)
-            q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            idx = random_selection(T, N, SEL, "cuda").expand(B, -1, -1, -1).contiguous()
+            q, k, v, _ = spec_inputs(geo, B, T)
+            idx = random_selection(T, geo.num_sel, geo.sel_block, geo.num_kv_heads, B, "cuda")
             for name, fn in IMPLS.items():
-                ms = median_ms(lambda: fn(q, k, v, idx, SEL, D ** -0.5))
+                ms = median_ms(lambda: fn(q, k, v, idx, geo.sel_block, geo.scale))
                 rows.append(dict(impl=name, B=B, T=T, fwd_ms=ms))
     print(f"\n{'impl':12s} {'B':>3s} {'T':>6s} {'fwd ms':>9s}")
     for r in rows:

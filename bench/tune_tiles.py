@@ -1,35 +1,37 @@
 """Sweep tile tables of the compressed-branch kernels at one shape; prints median ms per variant.
 
-    python bench/tune_tiles.py [--seqlen 65536]
+    python bench/tune_tiles.py [--seqlen 65536] [geometry flags | --config FILE.yaml]
 
-Used to fill `_TILES` / `_SELECT_TILES` in kernels/compressed.py (B=1, HQ=64, H=4, D=128, bf16).
+Used to fill `_TILES` / `_SELECT_TILES` in kernels/compressed.py (bf16, at the geometry of
+bench/geometry.py, by default the spec's, and at fla's l = d = l' = 64, n = 16).
 """
-import argparse
-
 import triton.testing
 
+import geometry
 from nsa_ops import reference
 from nsa_ops.kernels import compressed as C
-from bench_kernels import D, spec_inputs
-
+from bench_kernels import spec_inputs
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = geometry.parser(__doc__)
     p.add_argument("--seqlen", type=int, default=65536)
-    T = p.parse_args().seqlen
-    q, k, v, do = spec_inputs(T)
-    scale = D ** -0.5
+    args, cfg = geometry.parse(p)
+    T = args.seqlen
+    q, k, v, do = spec_inputs(cfg, args.batch, T)
+    scale = cfg.scale
     bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
     base_tiles, base_select = dict(C._TILES), C._SELECT_TILES
-    for l, d in ((32, 16), (64, 64)):
+    fla = (64, 64, 64, 16)
+    for l, d, lp, n in dict.fromkeys(((cfg.block_len, cfg.block_stride, cfg.sel_block,
+                                       cfg.num_sel), fla)):
         k_cmp, v_cmp = reference.compress_mean(k, l, d), reference.compress_mean(v, l, d)
         o, lse = C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
-        for cfg in ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1),
-                    (64, 64, 8, 2), (128, 32, 4, 2)):
-            C._SELECT_TILES = ((cfg, cfg),) + base_select[1:]
-            ms = bench(lambda: C.select_blocks(q, k_cmp, lse, l, d, 64, 16, scale))
-            print(f"l={l} d={d} select (rows, SB, warps, stages)={cfg}: {ms:.2f} ms", flush=True)
+        for tile in ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1),
+                     (64, 64, 8, 2), (128, 32, 4, 2)):
+            C._SELECT_TILES = ((tile, tile),) + base_select[1:]
+            ms = bench(lambda: C.select_blocks(q, k_cmp, lse, l, d, lp, n, scale))
+            print(f"l={l} d={d} select (rows, SB, warps, stages)={tile}: {ms:.2f} ms", flush=True)
         C._SELECT_TILES = base_select
         for kind, variants in (("fwd", ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))),
                                ("dq", ((128, 64, 8, 3), (64, 64, 8, 3), (128, 64, 8, 2),

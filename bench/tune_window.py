@@ -1,16 +1,17 @@
 """Sweep the Triton sliding-window kernel's tiles at one shape against FA-2; prints median ms.
 
-    python bench/tune_window.py [--seqlen 65536] [--window 512]
+    python bench/tune_window.py [--seqlen 65536] [geometry flags | --config FILE.yaml]
 
-Used to fill `_GPU_TILES` in kernels/window.py (B=1, HQ=64, H=4, D=128, bf16: the 256-byte row
-tier). Each row replaces that tier's forward or backward TileConfig.
+Used to fill `_GPU_TILES` in kernels/window.py (bf16, at the geometry of bench/geometry.py: by
+default the spec's, D=128, the 256-byte row tier). Each row replaces that tier's forward or
+backward TileConfig.
 """
-import argparse
-
+import triton
 import triton.testing
 
+import geometry
 from nsa_ops.kernels import window as W
-from bench_kernels import D, spec_inputs
+from bench_kernels import spec_inputs
 
 FWD = ((128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
        (256, 64, 8, 2), (64, 128, 4, 2))
@@ -19,13 +20,12 @@ BWD = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (32, 64
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = geometry.parser(__doc__)
     p.add_argument("--seqlen", type=int, default=65536)
-    p.add_argument("--window", type=int, default=512)
-    args = p.parse_args()
-    T, w = args.seqlen, args.window
-    q, k, v, do = spec_inputs(T)
-    scale = D ** -0.5
+    args, geo = geometry.parse(p)
+    T, w = args.seqlen, geo.window
+    q, k, v, do = spec_inputs(geo, args.batch, T)
+    scale = geo.scale
     bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
     o, lse = W.sliding_window_fwd(q, k, v, w, scale, backend="aten_fa2")
     fa2 = (bench(lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="aten_fa2")),
@@ -33,7 +33,9 @@ def main():
                                               backend="aten_fa2")))
     print(f"T={T} w={w} aten_fa2: fwd {fa2[0]:.2f} ms, bwd {fa2[1]:.2f} ms", flush=True)
     tiles = list(W._GPU_TILES)
-    tier = next(i for i, (limit, *_) in enumerate(tiles) if 2 * D <= limit)
+    # bf16 rows of the widest head dim, padded to a power of two as the kernel's tiles are
+    row_bytes = 2 * triton.next_power_of_2(max(geo.head_dim_qk, geo.head_dim_v))
+    tier = next(i for i, (limit, *_) in enumerate(tiles) if row_bytes <= limit)
     limit, fwd0, bwd0 = tiles[tier]
     for backward, variants in ((False, FWD), (True, BWD)):
         for cfg in variants:

@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import reference, routing
+from . import distributed, reference, routing
 from .cache import NSACache
 from .compression import PhiMLP
 from .config import NSAConfig
@@ -31,7 +32,13 @@ def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
 class AttentionProjections(nn.Module):
     """The q/k/v/o projections and RoPE of an attention layer with this config's heads. Subclasses
     (NSAAttention, the training showcase's dense baseline) create these four first, so equal
-    seeds give them equal weights."""
+    seeds give them equal weights.
+
+    ``context_parallel_group``, a torch.distributed process group (e.g. ``dist.group.WORLD``),
+    splits each sequence over its ranks: the layer then takes this rank's zigzag share of the
+    tokens (`nsa_ops.distributed.shard`) and attends over the whole sequence."""
+
+    context_parallel_group = None
 
     def __init__(self, config: NSAConfig):
         super().__init__()
@@ -50,6 +57,13 @@ class AttentionProjections(nn.Module):
         k = self.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim_qk))
         v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim_v))
         return rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta), v
+
+    def _shard_positions(self, T: int, device) -> Tensor:
+        """The positions, in the whole sequence, of this rank's T tokens under context
+        parallelism."""
+        group = self.context_parallel_group
+        return distributed.shard(torch.arange(T * dist.get_world_size(group), device=device),
+                                 group, dim=0)
 
 
 class NSAAttention(AttentionProjections):
@@ -115,7 +129,20 @@ class NSAAttention(AttentionProjections):
                              f"([B, T, hidden]), got {tuple(x.shape)}")
         c = self.config
         B, T, _ = x.shape
-        if cache is None:
+        group = self.context_parallel_group
+        if group is not None and (cache is not None or cu_seqlens is not None):
+            raise ValueError("cache and cu_seqlens must be None while context_parallel_group is "
+                             "set (context parallelism takes fixed-length prefill shards)")
+        geometry = dict(block_len=c.block_len, block_stride=c.block_stride,
+                        sel_block=c.sel_block, num_sel=c.num_sel, window=c.window,
+                        phi=(self.phi_k, self.phi_v), scale=c.scale)
+        if group is not None:
+            pos = self._shard_positions(T, x.device)
+            self._check_positions(T * dist.get_world_size(group))
+            q, k, v = self._qkv(x, pos)
+            o = distributed.context_parallel_nsa_attention(q, k, v, *self.gates(x), group=group,
+                                                           **geometry)
+        elif cache is None:
             check.check_cu_seqlens(cu_seqlens, x)
             _, pos = reference.token_layout(T, cu_seqlens, x.device)
             if c.max_position is not None and T > c.max_position:
@@ -126,10 +153,7 @@ class NSAAttention(AttentionProjections):
                 elif check._values_readable(cu_seqlens):
                     self._check_positions(int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
             q, k, v = self._qkv(x, pos)
-            o = nsa_attention(q, k, v, *self.gates(x), block_len=c.block_len,
-                              block_stride=c.block_stride, sel_block=c.sel_block,
-                              num_sel=c.num_sel, window=c.window, phi=(self.phi_k, self.phi_v),
-                              scale=c.scale, cu_seqlens=cu_seqlens)
+            o = nsa_attention(q, k, v, *self.gates(x), cu_seqlens=cu_seqlens, **geometry)
         else:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens must be None when decoding with a cache "

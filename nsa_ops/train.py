@@ -1,6 +1,7 @@
 """Training showcase: a small NSA language model vs a dense-attention baseline.
 
     python -m nsa_ops.train [--preset cpu|gpu] [--steps N] [--device DEV] [--out DIR] [--seed S]
+    torchrun --nproc_per_node N -m nsa_ops.train [--context-parallel] [...]
 
 Task: multi-query associative recall. A long context of blank tokens holds num_facts "fact"
 tokens, each binding a key to one of num_values values; the sequence ends with num_queries
@@ -12,12 +13,20 @@ other token is a blank or a random draw, so only the answers measure recall.
 NSA and dense attention share everything else: data order, the initial weights of all layers
 they have in common, AdamW with linear warmup and cosine decay, steps. Writes train_loss.csv and
 train_loss.png (needs matplotlib) into --out; elapsed_s counts training time, not evaluation.
+
+Under torchrun the ranks train one model together, sharded with FSDP2 (fully_shard on each block
+and the model), on cuda:LOCAL_RANK over NCCL, or on the CPU over gloo (--device cpu, or no CUDA).
+Each step's batch is the single-process run's: the ranks split its rows (data parallel), or with
+--context-parallel each sequence's tokens (the zigzag split of nsa_ops.distributed, so every
+attention layer attends over the whole sequence). Rank 0 prints and writes the results; the
+losses it logs are over the whole batch.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
+import os
 import platform
 import sys
 import time
@@ -27,9 +36,11 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import distributed as cp
 from .config import NSAConfig
 from .module import AttentionProjections, NSAAttention
 from .results import commit, new_figure, save_figure, write_csv
@@ -176,9 +187,19 @@ class DenseAttention(AttentionProjections):
 
     def forward(self, x: Tensor) -> Tensor:
         c = self.config
-        q, k, v = self._qkv(x, torch.arange(x.shape[1], device=x.device))
+        group = self.context_parallel_group
+        if group is None:
+            q, k, v = self._qkv(x, torch.arange(x.shape[1], device=x.device))
+            mask = None
+        else:
+            pos = self._shard_positions(x.shape[1], x.device)
+            q, k, v = self._qkv(x, pos)
+            k, v = cp.gather_tokens(k, group), cp.gather_tokens(v, group)
+            # this rank's queries sit at two separate stretches of the sequence
+            mask = pos[:, None] >= torch.arange(k.shape[1], device=x.device)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True, enable_gqa=True,
+                                           v.transpose(1, 2), attn_mask=mask,
+                                           is_causal=mask is None, enable_gqa=True,
                                            scale=c.scale)
         return self.o_proj(o.transpose(1, 2).flatten(-2))
 
@@ -234,11 +255,96 @@ def build_model(p: Preset, attention: str, seed: int) -> TinyLM:
     return TinyLM(p, attention, seed)
 
 
-def answer_loss(logits: Tensor, tokens: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
-    """(cross-entropy, accuracy) of the answers; logits [B,T,V] for tokens [B,T+1]."""
+def answer_sums(logits: Tensor, targets: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
+    """(summed cross-entropy, number right) over the answers; logits [B,T,V], targets [B,T]."""
     picked = logits[answers].float()
-    targets = tokens[:, 1:][answers]
-    return F.cross_entropy(picked, targets), (picked.argmax(-1) == targets).float().mean()
+    wanted = targets[answers]
+    return F.cross_entropy(picked, wanted, reduction="sum"), (picked.argmax(-1) == wanted).sum()
+
+
+# ---- ranks -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes a run trains on: this one alone (mesh None), or the ranks of a torchrun
+    launch, which split every batch's rows, or with context_parallel its sequences' tokens."""
+    world: int = 1
+    rank: int = 0
+    mesh: Optional[object] = None  # a 1-D DeviceMesh over the ranks
+    context_parallel: bool = False
+
+    def share(self, tokens: Tensor, answers: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """This rank's (inputs, targets, answers) of a batch: tokens [B, T+1], answers [B, T]."""
+        parts = tokens[:, :-1], tokens[:, 1:], answers
+        if self.context_parallel:
+            return tuple(cp.shard(t, self.mesh.get_group()) for t in parts)
+        rows = len(tokens) // self.world
+        return tuple(t[self.rank * rows:(self.rank + 1) * rows] for t in parts)
+
+    def sum(self, x: Tensor) -> Tensor:
+        """x summed over the ranks, in place."""
+        if self.mesh is not None:
+            dist.all_reduce(x, group=self.mesh.get_group())
+        return x
+
+    def distribute(self, model: TinyLM) -> TinyLM:
+        """The model sharded over the ranks with FSDP2, its attention context-parallel when the
+        ranks split tokens; unchanged for one process."""
+        if self.mesh is None:
+            return model
+        from torch.distributed.fsdp import fully_shard
+        for block in model.blocks:
+            if self.context_parallel:
+                block.attn.context_parallel_group = self.mesh.get_group()
+            fully_shard(block, mesh=self.mesh)
+        return fully_shard(model, mesh=self.mesh)
+
+
+def _world_size() -> Optional[int]:
+    """The number of ranks of the torchrun launch this process belongs to; None outside one."""
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+
+
+def check_launch(p: Preset, device: Union[str, torch.device, None],
+                 context_parallel: bool) -> None:
+    """Raise ValueError naming what this launch (torchrun or a lone process) cannot run."""
+    world = _world_size()
+    if world is None:
+        if context_parallel:
+            raise ValueError("context_parallel needs a torchrun launch: torchrun "
+                             "--nproc_per_node N -m nsa_ops.train --context-parallel")
+        return
+    dev = torch.device(device or "cpu")
+    if dev.type not in ("cuda", "cpu") or dev.index is not None:
+        raise ValueError(f"device must be cuda or cpu under torchrun (each rank takes "
+                         f"cuda:LOCAL_RANK), got {device!r}")
+    if context_parallel:
+        if p.seq_len % (2 * world):
+            raise ValueError(f"Preset.seq_len={p.seq_len} must be divisible by 2 * {world} ranks "
+                             f"for the context-parallel (zigzag) split")
+        return
+    for name in ("batch_size", "eval_batch_size"):
+        if getattr(p, name) % world:
+            raise ValueError(f"Preset.{name}={getattr(p, name)} must be divisible by the {world} "
+                             f"ranks that split its rows")
+
+
+def _join(device: Union[str, torch.device, None], context_parallel: bool
+          ) -> tuple[Ranks, torch.device]:
+    """This process's ranks and device. Under torchrun it joins the process group, unless an
+    earlier call did: NCCL on cuda:LOCAL_RANK, or gloo on the CPU."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    world = _world_size()
+    if world is None:
+        return Ranks(), device
+    from torch.distributed.device_mesh import init_device_mesh
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Ranks(world, dist.get_rank(), init_device_mesh(device.type, (world,)),
+                 context_parallel), device
 
 
 # ---- training --------------------------------------------------------------------------------
@@ -258,29 +364,33 @@ def _autocast(p: Preset, device: torch.device):
 
 
 def train_step(model: TinyLM, opt: torch.optim.Optimizer, batch: tuple[Tensor, Tensor],
-               p: Preset, device: torch.device) -> Tensor:
-    """One AdamW step on the answer loss; returns that loss, detached and not synchronised."""
-    tokens, answers = (t.to(device) for t in batch)
+               p: Preset, device: torch.device, ranks: Ranks = Ranks()) -> Tensor:
+    """One AdamW step on the answer loss of the batch (tokens, answers); returns this rank's
+    share of that loss (the ranks' shares sum to it), detached and not synchronised."""
+    inputs, targets, answers = (t.to(device) for t in ranks.share(*batch))
     with _autocast(p, device):
-        loss = answer_loss(model(tokens[:, :-1]), tokens, answers)[0]
+        logits = model(inputs)
+    share = answer_sums(logits, targets, answers)[0] / int(batch[1].sum())
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    # FSDP averages the ranks' gradients, and the loss is the sum of the ranks' shares
+    (share * ranks.world).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return loss.detach()
+    return share.detach()
 
 
 @torch.no_grad()
-def evaluate(model: TinyLM, batch: tuple[Tensor, Tensor], p: Preset,
-             device: torch.device) -> tuple[float, float]:
+def evaluate(model: TinyLM, batch: tuple[Tensor, Tensor], p: Preset, device: torch.device,
+             ranks: Ranks = Ranks()) -> tuple[float, float]:
     """(answer loss, answer accuracy) on a held-out batch."""
     model.eval()
-    tokens, answers = (t.to(device) for t in batch)
+    inputs, targets, answers = (t.to(device) for t in ranks.share(*batch))
     with _autocast(p, device):
-        logits = model(tokens[:, :-1])
+        logits = model(inputs)
     model.train()
-    loss, acc = answer_loss(logits, tokens, answers)
-    return loss.item(), acc.item()
+    loss, right = answer_sums(logits, targets, answers)
+    total = ranks.sum(torch.stack([loss, right.to(loss.dtype)])) / int(batch[1].sum())
+    return tuple(total.tolist())
 
 
 def _sync(device: torch.device) -> None:
@@ -289,15 +399,15 @@ def _sync(device: torch.device) -> None:
 
 
 class _Progress:
-    """A tqdm bar when tqdm is importable, else a line per evaluation."""
+    """A tqdm bar when tqdm is importable, else a line per evaluation; nothing unless show."""
 
-    def __init__(self, total: int, name: str):
-        self.total, self.name = total, name
+    def __init__(self, total: int, name: str, show: bool):
+        self.total, self.name, self.show, self.bar = total, name, show, None
         try:
             from tqdm import tqdm
         except ImportError:
-            self.bar = None
-        else:
+            return
+        if show:
             self.bar = tqdm(total=total, desc=name, unit="step")
 
     def update(self, row: Optional[dict]) -> None:
@@ -306,7 +416,7 @@ class _Progress:
             if row is not None:
                 self.bar.set_postfix(loss=f"{row['eval_loss']:.3f}",
                                      acc=f"{row['eval_answer_acc']:.3f}")
-        elif row is not None:
+        elif row is not None and self.show:
             print(f"{self.name:5s} step {row['step']:5d}/{self.total}  train loss "
                   f"{row['train_loss']:.4f}  eval loss {row['eval_loss']:.4f}  answer acc "
                   f"{row['eval_answer_acc']:.3f}  {row['elapsed_s']:.0f}s", flush=True)
@@ -316,21 +426,22 @@ class _Progress:
             self.bar.close()
 
 
-def train_model(p: Preset, attention: str, device: torch.device, seed: int) -> list[dict]:
+def train_model(p: Preset, attention: str, device: torch.device, seed: int,
+                ranks: Ranks = Ranks()) -> list[dict]:
     """Train one model; a CSV row per evaluation (train_loss: mean over the steps since the
     previous row)."""
-    model = build_model(p, attention, seed).to(device)
+    model = ranks.distribute(build_model(p, attention, seed).to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
                             betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup, p.steps))
     data = torch.Generator().manual_seed(seed)
     eval_batch = make_batch(p, p.eval_batch_size,
                             torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
-    progress = _Progress(p.steps, attention)
+    progress = _Progress(p.steps, attention, show=ranks.rank == 0)
     rows, running, since, train_s = [], torch.zeros((), device=device), 0, 0.0
     for step in range(1, p.steps + 1):
         start = time.perf_counter()
-        running += train_step(model, opt, make_batch(p, p.batch_size, data), p, device)
+        running += train_step(model, opt, make_batch(p, p.batch_size, data), p, device, ranks)
         sched.step()
         since += 1
         due = step % p.eval_every == 0 or step == p.steps
@@ -339,8 +450,8 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int) -> l
         train_s += time.perf_counter() - start
         row = None
         if due:
-            eval_loss, acc = evaluate(model, eval_batch, p, device)
-            row = dict(step=step, model=attention, train_loss=running.item() / since,
+            eval_loss, acc = evaluate(model, eval_batch, p, device, ranks)
+            row = dict(step=step, model=attention, train_loss=ranks.sum(running).item() / since,
                        eval_loss=eval_loss, eval_answer_acc=acc, elapsed_s=train_s)
             rows.append(row)
             running.zero_()
@@ -352,14 +463,16 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int) -> l
 
 # ---- reporting -------------------------------------------------------------------------------
 
-def run_header(device: torch.device, preset_name: str) -> str:
-    """What a committed result names: device, versions, commit, preset."""
+def run_header(device: torch.device, preset_name: str, ranks: Ranks = Ranks()) -> str:
+    """What a committed result names: device, versions, commit, preset, ranks."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{device.type} ({platform.machine()}, {torch.get_num_threads()} threads)"
+    split = "" if ranks.mesh is None else \
+        f" ranks={ranks.world} split={'tokens' if ranks.context_parallel else 'rows'}"
     return (f"device={name} torch={torch.__version__} commit={commit()} "
-            f"python={platform.python_version()} preset={preset_name}")
+            f"python={platform.python_version()} preset={preset_name}{split}")
 
 
 def plot(rows: list[dict], path: Path, title: str, chance: float) -> bool:
@@ -428,30 +541,37 @@ def _check_seed(seed) -> None:
 
 def run(preset: Union[str, Preset] = "cpu", steps: Optional[int] = None,
         device: Union[str, torch.device, None] = None, out: Union[str, Path, None] = None,
-        seed: int = 0) -> list[dict]:
+        seed: int = 0, context_parallel: bool = False) -> list[dict]:
     """Train NSA, then dense, on the same data; write the CSV (and PNG) into out; return the
-    CSV rows. out defaults to bench/results/train_<preset>."""
+    CSV rows. out defaults to bench/results/train_<preset>. Under torchrun every rank calls
+    this (see the module doc); context_parallel splits tokens instead of batch rows. The process
+    group it joins stays up for later calls (re-joining after destroy_process_group hung on gloo,
+    torch 2.13): main(), or the caller, destroys it."""
     name = preset if isinstance(preset, str) else "custom"
     p = resolve_preset(preset, steps)
     _check_seed(seed)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_launch(p, device, context_parallel)
+    ranks, device = _join(device, context_parallel)
+    lead = ranks.rank == 0
     out = Path(out or f"bench/results/train_{name}")
-    header = run_header(device, name)
-    print(header)
-    print(f"{p.num_facts} facts ({p.num_keys} keys x {p.num_values} values) in {p.seq_len} "
-          f"tokens, {p.num_queries} queries; {p.num_layers} layers, hidden {p.hidden_size}; "
-          f"{p.steps} steps of {p.batch_size}")
+    header = run_header(device, name, ranks)
+    if lead:
+        print(header)
+        print(f"{p.num_facts} facts ({p.num_keys} keys x {p.num_values} values) in {p.seq_len} "
+              f"tokens, {p.num_queries} queries; {p.num_layers} layers, hidden {p.hidden_size}; "
+              f"{p.steps} steps of {p.batch_size}")
     start = time.perf_counter()
     rows, params = [], {}
     for attention in MODELS:
-        rows += train_model(p, attention, device, seed)
+        rows += train_model(p, attention, device, seed, ranks)
         params[attention] = sum(t.numel() for t in build_model(p, attention, seed).parameters())
     wall = time.perf_counter() - start
-    write_csv(out / "train_loss.csv", rows, header, CSV_FIELDS)
-    plotted = plot(rows, out / "train_loss.png", header, chance=1 / p.num_values)
-    print(summary(rows, params))
-    print(f"wall time {wall:.1f}s (both models, with evaluation); wrote "
-          f"{out / 'train_loss.csv'}" + (f" and {out / 'train_loss.png'}" if plotted else ""))
+    if lead:
+        write_csv(out / "train_loss.csv", rows, header, CSV_FIELDS)
+        plotted = plot(rows, out / "train_loss.png", header, chance=1 / p.num_values)
+        print(summary(rows, params))
+        print(f"wall time {wall:.1f}s (both models, with evaluation); wrote "
+              f"{out / 'train_loss.csv'}" + (f" and {out / 'train_loss.png'}" if plotted else ""))
     return rows
 
 
@@ -460,16 +580,25 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=tuple(PRESETS), default="cpu")
     parser.add_argument("--steps", type=int, default=None, help="override the preset's steps")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--device", default=None,
+                        help="default: cuda if available, else cpu (under torchrun: cuda or cpu, "
+                             "each rank on cuda:LOCAL_RANK)")
     parser.add_argument("--out", default=None, help="default: bench/results/train_<preset>")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--context-parallel", action="store_true",
+                        help="under torchrun: the ranks split each sequence's tokens, not the "
+                             "batch's rows")
     args = parser.parse_args(argv)
     try:
-        resolve_preset(args.preset, args.steps)
+        check_launch(resolve_preset(args.preset, args.steps), args.device, args.context_parallel)
         _check_seed(args.seed)
     except ValueError as e:
         parser.error(str(e))
-    run(args.preset, args.steps, args.device, args.out, args.seed)
+    try:
+        run(args.preset, args.steps, args.device, args.out, args.seed, args.context_parallel)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -1,7 +1,11 @@
-"""The training showcase (nsa_ops.train): data, models, loop, CSV/PNG output, argument errors."""
+"""The training showcase (nsa_ops.train): data, models, loop, CSV/PNG output, argument errors,
+torchrun launches (data and context parallel) against the single-process run."""
 import csv
 import dataclasses
 import math
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -88,7 +92,7 @@ def test_only_the_nsa_model_runs_torch_ops_nsa(attention):
     assert all(type(block.attn) is layer for block in model.blocks)
     tokens, answers = batch(0, size=2)
     with OpRecorder() as rec:
-        train.answer_loss(model(tokens[:, :-1]), tokens, answers)[0].backward()
+        train.answer_sums(model(tokens[:, :-1]), tokens[:, 1:], answers)[0].backward()
     if attention == "nsa":
         assert NSA_OPS <= rec.names, rec.names
         assert any(name.endswith("_backward") for name in rec.names), rec.names
@@ -145,6 +149,7 @@ def test_run_without_matplotlib_still_writes_the_csv(tmp_path, monkeypatch, caps
     (dict(preset=dataclasses.replace(MICRO, num_facts=7)), "Preset.num_facts"),
     (dict(preset=dataclasses.replace(MICRO, hidden_size=0)), "Preset.hidden_size"),
     (dict(preset=dataclasses.replace(MICRO, block_stride=3)), "NSAConfig.block_stride"),
+    (dict(preset=MICRO, context_parallel=True), "context_parallel"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name, tmp_path):
     with pytest.raises(ValueError, match=name):
@@ -155,3 +160,48 @@ def test_cli_rejects_bad_steps(capsys):
     with pytest.raises(SystemExit):
         train.main(["--steps", "0"])
     assert "steps must be a positive int" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, name", [
+    ([], "Preset.batch_size"),
+    (["--context-parallel"], "Preset.seq_len"),
+    (["--device", "cuda:1"], "device"),
+])
+def test_cli_rejects_what_three_ranks_cannot_split(flags, name, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit):
+        train.main(["--steps", "1", *flags])
+    assert name in capsys.readouterr().err
+
+
+def test_torchrun_two_ranks_equal_one_process(tmp_path):
+    """Two gloo ranks under torchrun, FSDP2, splitting the batch's rows, then each sequence's
+    tokens (one launch, as every launch pays seconds of imports): the first step's loss, and the
+    evaluation after its update, equal the single-process run's."""
+    code = ("import torch.distributed as dist\n"
+            "from nsa_ops.train import Preset, run\n"
+            "for split in ('rows', 'tokens'):\n"
+            f"    run({MICRO!r}, steps=1, out={str(tmp_path)!r} + '/' + split,\n"
+            "        context_parallel=split == 'tokens')\n"
+            "dist.destroy_process_group()\n")
+    with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node", "2", "--no-python", sys.executable, "-c", code],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as launch:
+        try:
+            out, err = launch.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            # killing the launcher alone would leave its ranks running
+            os.killpg(launch.pid, signal.SIGKILL)
+            raise
+    assert launch.returncode == 0, out[-2000:] + err[-4000:]
+    assert out.count("wall time") == 2, out  # rank 0 alone prints
+    want = train.run(MICRO, steps=1, out=tmp_path / "one_process")
+    for split in ("rows", "tokens"):
+        header, rows = read_csv(tmp_path / split / "train_loss.csv")
+        assert f"ranks=2 split={split}" in header
+        assert [r["model"] for r in rows] == [r["model"] for r in want]
+        for got, expected in zip(rows, want):
+            for key in ("train_loss", "eval_loss", "eval_answer_acc"):
+                assert float(got[key]) == pytest.approx(expected[key], rel=1e-5), \
+                    (split, key, got, expected)
