@@ -1,15 +1,16 @@
 """Where the selection kernel overtakes packed SDPA: the per-SM minimum length of the routing table.
 
     python bench/bench_routing.py [--seqlens 256 512 1024 2048 4096 8192] [--batch 1 8]
-                                  [geometry flags | --config FILE.yaml]
+                                  [geometry flags | --config FILE.yaml] [--write ROUTING.yaml]
 
 Times the selection-attention forward of the two implementations the routing table chooses between
 on CUDA (the Triton kernel and packed SDPA; both rows share the Triton backward, so the forward
 decides) in bf16 at the geometry of bench/geometry.py (default the spec's: l'=64, n=16), on a
 random selection of the op's format. Prints the table and the crossover (the shortest length
 from which the kernel is faster at every longer length measured), and writes routing.csv +
-routing.png into --out. The crossover goes into nsa_ops.routing.TRITON_SELECTION_MIN_SEQLEN for
-the device's SM.
+routing.png into --out. The crossover is the routing table's selection_min_seqlen for the
+device's SM (built in: nsa_ops.routing.TRITON_SELECTION_MIN_SEQLEN); --write puts it in a routing
+file that NSA_OPS_ROUTING=ROUTING.yaml or nsa_ops.routing.load("ROUTING.yaml") applies.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 import geometry
+from nsa_ops import routing
 from nsa_ops.kernels.selection import selection_attention_fwd
 from nsa_ops.packed import selection_attention_packed
 from nsa_ops.results import new_figure, save_figure, write_csv
@@ -40,6 +42,20 @@ def crossover(rows, batch: int) -> int:
     return best
 
 
+def thresholds(rows, sm: tuple[int, int], batches) -> dict:
+    """The routing file's entries this run measured: selection_min_seqlen on this SM, the largest
+    crossover of the batch sizes (from there the kernel won at every one)."""
+    shortest = min(r["T"] for r in rows)
+    # a kernel that won from the shortest length measured is taken to win below it too, as the
+    # built-in sm90 value (0) is
+    min_len = max(crossover(rows, B) for B in batches)
+    return {sm: {"selection_min_seqlen": 0 if min_len == shortest else min_len}}
+
+
+def write_thresholds(path, rows, sm: tuple[int, int], batches, header: str) -> None:
+    routing.save(path, thresholds(rows, sm, batches), f"bench/bench_routing.py: {header}")
+
+
 def plot(rows, path: Path, title: str) -> None:
     fig, ax = new_figure(figsize=(6, 4.2))
     for key in dict.fromkeys((r["impl"], r["B"]) for r in rows):
@@ -58,6 +74,8 @@ def main() -> None:
     p = geometry.parser(__doc__, batch=(1, 8))
     p.add_argument("--seqlens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--write", metavar="ROUTING.yaml",
+                   help="also write the crossover as a routing file (selection_min_seqlen)")
     args, geo = geometry.parse(p)
     from tqdm import tqdm
 
@@ -81,6 +99,9 @@ def main() -> None:
     out = Path(args.out)
     write_csv(out / "routing.csv", rows, header)
     plot(rows, out / "routing.png", header)
+    if args.write:
+        write_thresholds(args.write, rows, sm, args.batch, header)
+        print(f"wrote {args.write}: NSA_OPS_ROUTING={args.write} applies it")
 
 
 if __name__ == "__main__":

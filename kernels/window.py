@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Callable, Optional
 
 import torch
@@ -507,10 +506,6 @@ def _flash_raw_bwd(do, q, k, v, o, lse, window, scale, cu_seqlens):
 # Capability checks and routing
 # --------------------------------------------------------------------------------------------
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 _BACKENDS = {
     "flash_attn": (_flash_fwd, functools.partial(_fa_backward, _flash_raw_bwd)),
     "aten_fa2": (_aten_fwd, functools.partial(_fa_backward, _aten_raw_bwd)),
@@ -522,17 +517,14 @@ def backend_refusal(backend: str, q: Tensor, v: Optional[Tensor] = None,
                     offset: bool = False) -> Optional[str]:
     """None if `backend` can serve q (and v, default shaped like q; queries at an offset if
     `offset`), else why not: the reason of its row in the routing table, which states every
-    backend's limits. Under TRITON_INTERPRET, CPU tensors stand in for an sm90 GPU's."""
+    backend's limits (a backend named here counts as forced: under TRITON_INTERPRET, CPU
+    tensors then stand in for a GPU's)."""
     if backend not in _BACKENDS:
         return f"unknown sliding-window backend {backend!r}; known: {', '.join(_BACKENDS)}"
     if backend == "flash_attn" and _flash_attn_interface() is None:
         return "flash_attn: the flash-attn package (>= 2.7, the backward API used here) is absent"
-    x = Inputs.of(q, q if v is None else v, offset=offset)
-    if backend == "triton" and q.device.type == "cpu" and _interpreting():
-        if q.dtype == torch.bfloat16:
-            return "triton under TRITON_INTERPRET mis-computes bf16 dots; use fp16/fp32 on CPU"
-        x = dataclasses.replace(x, device_type="cuda", sm=(9, 0))
-    return routing.route(_OP, backend).refuse(x)
+    return routing.forced_refusal(_OP, backend, Inputs.of(q, q if v is None else v,
+                                                          offset=offset))
 
 
 def select_backend(q: Tensor, v: Tensor, backend: Optional[str] = None,

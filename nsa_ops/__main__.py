@@ -1,64 +1,115 @@
 """python -m nsa_ops [demo|routing|check-config FILE]: a short CPU/GPU demo, the routing table,
-or a YAML NSAConfig validated and summarised (exit code 1 if it is invalid)."""
+or a YAML NSAConfig validated and summarised (exit code 1 if it is invalid). A forced impl that
+cannot serve, or a bad routing file (NSA_OPS_ROUTING), is a one-line error and exit code 2."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 
 import torch
 import yaml
 
-from . import NSAConfig, nsa_attention, reference, routing
+from . import NSAConfig, env, nsa_attention, reference, routing
 from .routing import Inputs
 
+# The shape the CPU demo runs the Triton kernels at: each kernel program is Python in the
+# interpreter, so forward + backward take seconds even this small (l=16, d=8, l'=16 keep every
+# branch non-trivial at T=64).
+INTERPRETED = dict(T=64, heads_q=4, heads_kv=1, head_dim=32)
+INTERPRETED_CFG = dict(block_len=16, block_stride=8, sel_block=16, num_sel=3, window=32)
 
-def demo(T: int = 1024, heads_q: int = 8, heads_kv: int = 2, head_dim: int = 64) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # bf16 is what the GPU kernels are built for; the CPU reference runs float32
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+def _inputs(T: int, heads_q: int, heads_kv: int, head_dim: int, device: str, dtype):
     torch.manual_seed(0)
-    cfg = dict(block_len=32, block_stride=16, sel_block=64, num_sel=16, window=512)
-    print(f"NSA demo on {device} ({str(dtype).replace('torch.', '')}): B=1 T={T} HQ={heads_q} "
-          f"H={heads_kv} D={head_dim}, " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
     make = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
     q, k, v = make(1, T, heads_q, head_dim), make(1, T, heads_kv, head_dim), \
         make(1, T, heads_kv, head_dim)
     gates = [torch.rand(1, T, heads_q, device=device, dtype=dtype) for _ in range(3)]
     do = torch.randn(1, T, heads_q, head_dim, device=device, dtype=dtype)
+    return q, k, v, gates, do
 
+
+def _step(q, k, v, gates, do, cfg) -> list[torch.Tensor]:
+    """Forward and backward through torch.ops.nsa.*: [out, dq, dk, dv]."""
+    q.grad = k.grad = v.grad = None
+    out = nsa_attention(q, k, v, *gates, **cfg)
+    out.backward(do)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _routed(q, v, cfg) -> str:
+    """Which implementation runs each op for these inputs (under any force() in effect), one line
+    per op; the impls, joined."""
     x = Inputs.of_compressed(q, v, cfg["block_len"], cfg["block_stride"])
-    for op in routing.PREFILL_OPS:
-        print(f"  torch.ops.nsa.{op:26s} runs {routing.choose(op, x).impl}")
+    impls = {op: routing.choose(op, x).impl for op in routing.PREFILL_OPS}
+    for op, impl in impls.items():
+        print(f"  torch.ops.nsa.{op:26s} runs {impl}")
+    return "/".join(dict.fromkeys(impls.values()))
 
-    def step():
-        q.grad = k.grad = v.grad = None
-        out = nsa_attention(q, k, v, *gates, **cfg)
-        out.backward(do)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return out
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def _describe(T, heads_q, heads_kv, head_dim, cfg) -> str:
+    return (f"B=1 T={T} HQ={heads_q} H={heads_kv} D={head_dim}, "
+            + ", ".join(f"{k}={v}" for k, v in cfg.items()))
+
+
+def demo(T: int = 1024, heads_q: int = 8, heads_kv: int = 2, head_dim: int = 64) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    has_triton = importlib.util.find_spec("triton") is not None
+    if device == "cpu" and has_triton:
+        env.interpret_triton()  # before nsa_ops.kernels imports triton
+    # bf16 is what the GPU kernels are built for; the CPU reference runs float32
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = dict(block_len=32, block_stride=16, sel_block=64, num_sel=16, window=512)
+    print(f"NSA demo on {device} ({str(dtype).replace('torch.', '')}): "
+          f"{_describe(T, heads_q, heads_kv, head_dim, cfg)}")
+    q, k, v, gates, do = _inputs(T, heads_q, heads_kv, head_dim, device, dtype)
+    impls = _routed(q, v, cfg)
 
     start = time.perf_counter()
-    step()  # first call compiles and autotunes the Triton kernels on GPU
+    _step(q, k, v, gates, do, cfg)  # first call compiles the Triton kernels on GPU
     first = time.perf_counter() - start
     start = time.perf_counter()
-    o = step()
+    o, dq, dk, _ = _step(q, k, v, gates, do, cfg)
     elapsed = time.perf_counter() - start
     print(f"  forward + backward through torch.ops.nsa.*: {elapsed * 1e3:.0f} ms "
           f"(first call {first * 1e3:.0f} ms), out {tuple(o.shape)}, "
-          f"|dq|={q.grad.norm():.3f} |dk|={k.grad.norm():.3f}")
-
-    with torch.no_grad():
-        ref = reference.nsa(*(t.float() for t in (q, k, v, *gates)), **cfg)
-    err = ((o - ref).norm() / ref.norm()).item()
-    print(f"  matches the pure-PyTorch reference: rel err {err:.2e}")
-
+          f"|dq|={dq.norm():.3f} |dk|={dk.norm():.3f}")
     n_cmp = reference.num_cmp(T, cfg["block_len"], cfg["block_stride"])
     reads = n_cmp + cfg["num_sel"] * cfg["sel_block"] + min(cfg["window"], T)
     print(f"  per-query key budget at T={T}: reads(T) = num_cmp + n*l' + min(w, T) = "
           f"{n_cmp} + {cfg['num_sel'] * cfg['sel_block']} + {min(cfg['window'], T)} = {reads}"
           f" (dense reads {T}; NSA wins once T >> {reads})")
+
+    if device == "cuda" or not has_triton:
+        if not has_triton:
+            print("  triton is not installed (pip install nsa-ops[triton]): on CPU only the "
+                  "reference runs, so it is checked in float32 against float64")
+        with torch.no_grad():
+            ref = reference.nsa(*(t.double() for t in (q, k, v, *gates)), **cfg)
+        print(f"  {impls} (torch.ops.nsa.*, {str(dtype).replace('torch.', '')}) matches "
+              f"nsa_ops.reference.nsa in float64: rel err out {_rel_err(o, ref):.1e}")
+        return
+    print(f"Triton kernels on CPU (Triton's interpreter, TRITON_INTERPRET=1, "
+          f"routing.force(\"triton\")): {_describe(**INTERPRETED, cfg=INTERPRETED_CFG)}")
+    small = _inputs(**INTERPRETED, device="cpu", dtype=torch.float32)
+    want = _step(*small, INTERPRETED_CFG)
+    with routing.force("triton"):
+        kernels = _routed(small[0], small[2], INTERPRETED_CFG)
+        start = time.perf_counter()
+        got = _step(*small, INTERPRETED_CFG)
+    print(f"  forward + backward in the interpreter: {time.perf_counter() - start:.1f} s")
+    errs = ", ".join(f"{name} {_rel_err(a, b):.1e}"
+                     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True))
+    print(f"  {kernels} matches reference (torch.ops.nsa.* as routed on CPU, float32): rel err "
+          f"{errs}")
 
 
 def check_config(path: str) -> int:
@@ -91,10 +142,15 @@ def main(argv=None) -> int:
         return check_config(args.file)
     if args.file is not None:
         parser.error(f"{args.command} takes no FILE")
-    if args.command == "routing":
-        print(routing.describe())
-    else:
-        demo(T=args.seqlen)
+    try:
+        if args.command == "routing":
+            print(routing.describe())
+        else:
+            demo(T=args.seqlen)
+    except ValueError as e:  # a forced impl that cannot serve, a bad routing file
+        brief = e.brief if isinstance(e, routing.RoutingError) else e
+        print(f"python -m nsa_ops {args.command}: {brief}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,10 +1,14 @@
-"""Every environment variable nsa_ops reads, in one place. They exist for debugging only:
-explicit arguments and the routing table decide behaviour; these merely force or check.
+"""Every environment variable nsa_ops reads, in one place. They exist for debugging and tuning
+only: explicit arguments and the routing table decide behaviour; these merely force, tune or check.
 
 NSA_OPS_FORCE_IMPL      force one implementation for every op where it can serve, e.g.
                         "reference" or "triton" (an impl that can't serve an input still refuses
                         with its reason). Per op: NSA_OPS_FORCE_IMPL_<OP>, e.g.
                         NSA_OPS_FORCE_IMPL_SLIDING_WINDOW_ATTENTION=aten_fa2.
+                        nsa_ops.routing.force() in code overrides both.
+NSA_OPS_ROUTING         a YAML file of routing thresholds over the built-in per-SM ones (format:
+                        README, "Steering routing"; bench/bench_routing.py --write writes one),
+                        read on first use; nsa_ops.routing.load(path) overrides it.
 NSA_OPS_CHECK_VALUES    "1": also run value checks (cu_seqlens, block_idx range) on CUDA tensors,
                         at the cost of a device sync per call.
 NSA_OPS_LOG             "info": log, on the `nsa_ops` logger, which implementation serves each (op,
@@ -14,6 +18,9 @@ NSA_OPS_LOG             "info": log, on the `nsa_ops` logger, which implementati
 NSA_OPS_PARITY          "1", or a fraction such as "0.1": recompute every round(1/fraction)-th
                         forward call of each op with the reference and log the error, warning above
                         nsa_ops.observe.TOLERANCE. Syncs the device on each checked call.
+TRITON_INTERPRET        Triton's own: "1" (before triton is imported) runs Triton kernels on CPU
+                        tensors in its interpreter; a forced Triton row then serves CPU tensors.
+                        python -m nsa_ops sets it where there is no CUDA.
 NSA_COMMIT              the commit that written results (bench CSVs, the training showcase) name,
                         for checkouts without .git such as the copy a remote GPU runs.
 """
@@ -23,12 +30,29 @@ import os
 from typing import Optional
 
 VARIABLES = ("NSA_OPS_FORCE_IMPL", "NSA_OPS_FORCE_IMPL_<OP>", "NSA_OPS_CHECK_VALUES",
-             "NSA_OPS_LOG", "NSA_OPS_PARITY", "NSA_COMMIT")
+             "NSA_OPS_LOG", "NSA_OPS_PARITY", "NSA_OPS_ROUTING", "TRITON_INTERPRET", "NSA_COMMIT")
 
 
-def forced_impl(op: str) -> Optional[str]:
-    return os.environ.get(f"NSA_OPS_FORCE_IMPL_{op.upper()}") or \
-        os.environ.get("NSA_OPS_FORCE_IMPL") or None
+def forced_impl(op: str) -> Optional[tuple[str, str]]:
+    """(the variable that forces op's impl, the impl), or None."""
+    for variable in (f"NSA_OPS_FORCE_IMPL_{op.upper()}", "NSA_OPS_FORCE_IMPL"):
+        impl = os.environ.get(variable)
+        if impl:
+            return variable, impl
+    return None
+
+
+def routing_file() -> Optional[str]:
+    return os.environ.get("NSA_OPS_ROUTING") or None
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def interpret_triton() -> None:
+    """Run Triton kernels in the CPU interpreter: effective if triton is not imported yet."""
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def check_values() -> bool:

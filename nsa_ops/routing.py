@@ -6,20 +6,30 @@ not_supported_reasons), printed by `python -m nsa_ops routing`:
 
 * `refuse`: the implementation cannot serve the input (device, dtype, head size, missing package);
 * `defer`: it could, but measurements say a later row is faster here (an SM the kernels are not
-  tuned for, a sequence too short to fill the GPU). Forcing the impl (nsa_ops/env.py) lifts these.
+  tuned for, a sequence too short to fill the GPU). Forcing the impl lifts these: `force()` in
+  code, or NSA_OPS_FORCE_IMPL[_<OP>] (nsa_ops/env.py), which force() overrides.
+
+The measured numbers the `defer` rules compare against (THRESHOLDS, per SM) can be replaced from a
+YAML file: NSA_OPS_ROUTING=file.yaml, or `load(path)`; bench/bench_routing.py --write writes one.
 
 Implementations are named by "module:function" so the table stays data and importing nsa_ops
 never imports Triton. The Inductor lowering (nsa_ops.lowering) asks the same table.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib
 import importlib.util
+import math
+import re
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Union
 
 import torch
+import yaml
 
 from . import env
 
@@ -78,6 +88,26 @@ class Inputs:
         c = cache.config
         geometry = DecodeGeometry(c.block_len, c.block_stride, c.sel_block, cache.k.shape[1])
         return dataclasses.replace(Inputs.of(q, cache.v), decode=geometry)
+
+    def summary(self) -> str:
+        """One line: everything routing looks at."""
+        sm = f" {_sm_name(self.sm)}" if self.sm else ""
+        parts = [f"{self.device_type}{sm}", str(self.dtype).replace("torch.", ""),
+                 f"Dk={self.head_dim_qk} Dv={self.head_dim_v}"]
+        if self.decode:
+            l, d, sel, capacity = self.decode
+            parts.append(f"decode Tq={self.seqlen} l={l} d={d} l'={sel} cache {capacity} tokens")
+        else:
+            parts.append(f"T={self.seqlen}")
+        if self.compressed:
+            parts.append(f"l={self.compressed.block_len} d={self.compressed.block_stride}")
+        flags = (("varlen", self.varlen), ("queries at an offset", self.offset),
+                 ("inside CUDA-graph capture", self.capturing))
+        return " ".join(parts + [name for name, on in flags if on])
+
+
+def _sm_name(sm: tuple[int, int]) -> str:
+    return f"sm{sm[0]}{sm[1]}"
 
 
 Refusal = Callable[[Inputs], Optional[str]]
@@ -216,19 +246,144 @@ def decode_geometry_refusal(geometry: DecodeGeometry) -> Optional[str]:
 # sm90's value.
 TRITON_SELECTION_MIN_SEQLEN = {(8, 0): 0, (9, 0): 0, (10, 0): 0}
 
+# Compressed attention runs through cuDNN from this many queries per residue (T / d) on. Measured
+# with `bench/bench_kernels.py --seqlens 8192 16384 32768 65536 --kernels compressed` on an H200
+# (bench/results/compressed_routing.csv), bwd ms Triton vs cuDNN: at T/d = 512 Triton wins for
+# l=32, d=16 (0.96 vs 1.10) and l=d=64 (3.65 vs 3.97); at T/d = 1024 cuDNN does (2.97 vs 2.66,
+# 11.66 vs 10.27) with forwards within 1%; at 4096 (64k, l=32, d=16) 37.6 vs 26.1.
+CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 1024}
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A measured number a `defer` rule compares against, per SM; an SM without one is
+    unmeasured, and the rule defers there."""
+    meaning: str
+    defaults: Mapping[tuple[int, int], int]
+
+
+THRESHOLDS = {
+    "selection_min_seqlen": Threshold(
+        "T from which the selection kernel runs rather than packed SDPA (bench/bench_routing.py)",
+        TRITON_SELECTION_MIN_SEQLEN),
+    "cudnn_compressed_min_rows": Threshold(
+        "T/d from which compressed attention runs through cuDNN rather than the Triton kernel "
+        "(bench/bench_kernels.py --kernels compressed)", CUDNN_COMPRESSED_MIN_ROWS),
+}
+Value = Union[int, float]  # float: only math.inf, "never" (.inf in YAML)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The thresholds in effect: name -> SM -> (value, where it came from), and the routing file
+    over the defaults as it was given ("NSA_OPS_ROUTING=path", or the path load() got), if any."""
+    entries: Mapping[str, Mapping[tuple[int, int], tuple[Value, str]]]
+    origin: Optional[str] = None
+
+    def get(self, name: str, sm: Optional[tuple[int, int]]) -> Optional[tuple[Value, str]]:
+        return self.entries[name].get(sm)
+
+    def sms(self, name: str) -> list[tuple[int, int]]:
+        return sorted(self.entries[name])
+
+
+def _defaults() -> Thresholds:
+    return Thresholds({name: {sm: (value, "default") for sm, value in t.defaults.items()}
+                       for name, t in THRESHOLDS.items()})
+
+
+def _parse_thresholds(data, origin: str) -> dict[tuple[int, int], dict[str, Value]]:
+    """A routing file's content (SM -> name -> value), checked; origin names the file in errors."""
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{origin}: a routing file maps SMs (sm80, sm90, ...) to thresholds, "
+                         f"got {data!r}")
+    out: dict[tuple[int, int], dict[str, Value]] = {}
+    for key, values in data.items():
+        m = re.fullmatch(r"sm(\d+)(\d)", str(key))
+        if m is None:
+            raise ValueError(f"{origin}: key {key!r} is not an SM; keys are SMs such as sm80, "
+                             f"sm90, sm100 (major then minor compute capability)")
+        if not isinstance(values, dict):
+            raise ValueError(f"{origin}: {key} must map threshold names to values, got "
+                             f"{values!r}")
+        for name, value in values.items():
+            if name not in THRESHOLDS:
+                raise ValueError(f"{origin}: unknown threshold {name!r} under {key}; valid: "
+                                 f"{', '.join(THRESHOLDS)}")
+            if isinstance(value, bool) or not (isinstance(value, int) and value >= 0
+                                               or value == math.inf):
+                raise ValueError(f"{origin}: {key}.{name} must be a non-negative integer or "
+                                 f".inf (never), got {value!r}")
+            out.setdefault((int(m[1]), int(m[2])), {})[name] = value
+    return out
+
+
+def _read_thresholds(path, origin: str) -> Thresholds:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"{origin}: cannot read the routing file: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{origin}: not a YAML file: {e}") from None
+    entries = {name: dict(by_sm) for name, by_sm in _defaults().entries.items()}
+    for sm, values in _parse_thresholds(data, origin).items():
+        for name, value in values.items():
+            entries[name][sm] = (value, str(path))
+    return Thresholds(entries, origin)
+
+
+_active: Optional[Thresholds] = None  # None until first use, when NSA_OPS_ROUTING is read
+
+
+def thresholds() -> Thresholds:
+    """The thresholds in effect: the defaults, overridden by `load`'s file, else by the file
+    NSA_OPS_ROUTING names (read on first use)."""
+    global _active
+    if _active is None:
+        path = env.routing_file()
+        _active = _read_thresholds(path, f"NSA_OPS_ROUTING={path}") if path else _defaults()
+    return _active
+
+
+def load(path) -> None:
+    """Take the thresholds from the routing file at `path` (over the defaults; NSA_OPS_ROUTING is
+    then ignored), or with None drop the loaded file: the defaults, overridden by NSA_OPS_ROUTING
+    when set, hold again. Raises ValueError naming the file and the bad entry."""
+    global _active
+    _active = None if path is None else _read_thresholds(path, str(path))
+
+
+def save(path, values: Mapping[tuple[int, int], Mapping[str, Value]], comment: str = "") -> None:
+    """Write a routing file that `load` reads: values SM -> threshold name -> value; comment goes
+    on top (one line, e.g. what measured them)."""
+    data = {_sm_name(sm): dict(by_name) for sm, by_name in sorted(values.items())}
+    _parse_thresholds(data, str(path))
+    with open(path, "w") as f:
+        if comment:
+            f.write(f"# {comment}\n")
+        yaml.safe_dump(data, f, sort_keys=False)
+
+
+def _value(v: Value) -> str:
+    return ".inf" if v == math.inf else str(v)
+
 
 def _selection_kernel_preferred(x: Inputs) -> Optional[str]:
-    if x.sm == (8, 9):
+    entry = thresholds().get("selection_min_seqlen", x.sm)
+    if entry is None and x.sm == (8, 9):
         return ("sm89 (Ada) runs packed SDPA by design: the kernels are tuned for the 164-228 KB "
                 "of shared memory per SM of sm80/sm90/sm100, Ada has 100 KB (force to override)")
-    if x.sm not in TRITON_SELECTION_MIN_SEQLEN:
-        sm = f"sm{x.sm[0]}{x.sm[1]}" if x.sm else "an unknown SM"
-        tuned = ", ".join(f"sm{a}{b}" for a, b in TRITON_SELECTION_MIN_SEQLEN)
+    if entry is None:
+        sm = _sm_name(x.sm) if x.sm else "an unknown SM"
+        tuned = ", ".join(map(_sm_name, thresholds().sms("selection_min_seqlen")))
         return f"tuned for {tuned}, not {sm}: packed SDPA serves it (force to override)"
-    min_len = TRITON_SELECTION_MIN_SEQLEN[x.sm]
+    min_len, source = entry
     if x.seqlen < min_len:
-        return (f"T={x.seqlen} < {min_len}, the length from which the kernel beats packed SDPA "
-                f"on sm{x.sm[0]}{x.sm[1]} (bench/results/routing.csv)")
+        return (f"T={x.seqlen} < {_value(min_len)}, the selection_min_seqlen of {_sm_name(x.sm)} "
+                f"({source}): packed SDPA is faster below it")
     return None
 
 
@@ -250,22 +405,19 @@ def _has_cudnn9(x: Inputs) -> Optional[str]:
     return None
 
 
-# Compressed attention runs through cuDNN from this many queries per residue (T / d) on. Measured
-# with `bench/bench_kernels.py --seqlens 8192 16384 32768 65536 --kernels compressed` on an H200
-# (bench/results/compressed_routing.csv), bwd ms Triton vs cuDNN: at T/d = 512 Triton wins for
-# l=32, d=16 (0.96 vs 1.10) and l=d=64 (3.65 vs 3.97); at T/d = 1024 cuDNN does (2.97 vs 2.66,
-# 11.66 vs 10.27) with forwards within 1%; at 4096 (64k, l=32, d=16) 37.6 vs 26.1.
-CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 1024}
-
-
 def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
-    if x.sm not in CUDNN_COMPRESSED_MIN_ROWS:
-        sm = f"sm{x.sm[0]}{x.sm[1]}" if x.sm else "an unknown SM"
-        return f"measured on sm90 only, not {sm}: the Triton kernel serves it (force to override)"
-    rows, need = x.seqlen // x.compressed.block_stride, CUDNN_COMPRESSED_MIN_ROWS[x.sm]
+    entry = thresholds().get("cudnn_compressed_min_rows", x.sm)
+    if entry is None:
+        sm = _sm_name(x.sm) if x.sm else "an unknown SM"
+        measured = ", ".join(map(_sm_name, thresholds().sms("cudnn_compressed_min_rows")))
+        return (f"measured on {measured} only, not {sm}: the Triton kernel serves it (force to "
+                f"override)")
+    need, source = entry
+    rows = x.seqlen // x.compressed.block_stride
     if rows < need:
-        return (f"T/d = {rows} queries per residue < {need}, below which the Triton kernel is "
-                f"faster (bench/results/compressed_routing.csv)")
+        return (f"T/d = {rows} queries per residue < {_value(need)}, the "
+                f"cudnn_compressed_min_rows of {_sm_name(x.sm)} ({source}): the Triton kernel is "
+                f"faster below it")
     return None
 
 
@@ -299,6 +451,8 @@ class Route:
     refuse: Refusal
     options: tuple[tuple[str, str], ...] = ()  # extra keyword arguments for forward/backward
     defer: Refusal = _always  # soft refusal: a later row is preferred, unless this impl is forced
+    # forward and backward run on CPU tensors under TRITON_INTERPRET=1 (see INTERPRETER_SM)
+    interpreted: bool = False
 
 
 _REF = "nsa_ops.reference"
@@ -311,17 +465,19 @@ TABLE: tuple[Route, ...] = (
           _cudnn_compressed,
           defer=_cudnn_compressed_preferred),
     Route("compressed_attention", "triton", "nsa_ops.kernels.compressed:compressed_attention_fwd",
-          "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton),
+          "nsa_ops.kernels.compressed:compressed_attention_bwd", _triton, interpreted=True),
     Route("compressed_attention", "reference", f"{_REF}:compressed_attention",
           f"{_REF}:compressed_attention_backward", _always),
-    Route("select_blocks", "triton", "nsa_ops.kernels.compressed:select_blocks", None, _triton),
+    Route("select_blocks", "triton", "nsa_ops.kernels.compressed:select_blocks", None, _triton,
+          interpreted=True),
     Route("select_blocks", "reference", f"{_REF}:select_blocks", None, _always),
     Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
           "nsa_ops.kernels.selection:selection_attention_bwd", _triton,
-          defer=_selection_kernel_preferred),
+          defer=_selection_kernel_preferred, interpreted=True),
     # the backward reuses the Triton kernels, which serve every input this row serves
     Route("selection_attention", "packed_sdpa", "nsa_ops.packed:selection_attention_packed",
-          "nsa_ops.kernels.selection:selection_attention_bwd", _first(_triton, _no_offset)),
+          "nsa_ops.kernels.selection:selection_attention_bwd", _first(_triton, _no_offset),
+          interpreted=True),
     Route("selection_attention", "reference", f"{_REF}:selection_attention",
           f"{_REF}:selection_attention_backward", _always),
     Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,
@@ -329,17 +485,18 @@ TABLE: tuple[Route, ...] = (
     Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,
           _first(_fa2_common, _has_aten_fa2), (("backend", "aten_fa2"),)),
     Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
-          (("backend", "triton"),)),
+          (("backend", "triton"),), interpreted=True),
     Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",
           f"{_REF}:sliding_window_attention_backward", _always),
     # eager only: under torch.compile nsa_attention leaves the gate to Inductor, which fuses it
     Route("gate_combine", "triton", "nsa_ops.kernels.gate:gate_combine_fwd",
           "nsa_ops.kernels.gate:gate_combine_bwd",
-          _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32)),
+          _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32),
+          interpreted=True),
     Route("gate_combine", "reference", f"{_REF}:gate_combine", f"{_REF}:gate_combine_backward",
           _always),
     Route("decode", "triton", "nsa_ops.kernels.decode:decode_attention_fwd", None,
-          _first(_triton, _decode_kernel_serves)),
+          _first(_triton, _decode_kernel_serves), interpreted=True),
     # chunked prefill: the prefill ops (and their kernels) with queries at an offset
     Route("decode", "prefill_ops", "nsa_ops.decode:decode_chunk", None, _several_rows),
     Route("decode", "reference", "nsa_ops.decode:decode_reference", None, _always),
@@ -360,27 +517,124 @@ def route(op: str, impl: str) -> Route:
                      f"{', '.join(r.impl for r in candidates(op))}")
 
 
-def explain(op: str, x: Inputs) -> list[tuple[str, Optional[str]]]:
-    """(impl, refusal reason or None) for every candidate of op, in preference order."""
-    forced = env.forced_impl(op)
+# Under TRITON_INTERPRET=1 Triton runs its kernels on CPU tensors, which then stand in for this
+# SM (as in the tests). The interpreter is far slower than the reference, so a row marked
+# `interpreted` serves CPU tensors only when forced.
+INTERPRETER_SM = (9, 0)
+
+_forced: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+    "nsa_ops_routing_force", default=MappingProxyType({}))
+
+
+# the impls force(impl) takes for every op at once: those every op has
+SHARED_IMPLS = tuple(impl for impl in dict.fromkeys(r.impl for r in TABLE)
+                     if all(any(r.impl == impl for r in candidates(op)) for op in OPS))
+
+
+@contextlib.contextmanager
+def force(impl: Optional[str] = None, /, **impls: str) -> Iterator[None]:
+    """Inside the block, run `impl` for every op, or impls[op] for each op named, e.g.
+    force(selection_attention="packed_sdpa"), wherever it can serve (what it cannot serve raises
+    with its reason; measured preferences are lifted). Overrides NSA_OPS_FORCE_IMPL[_<OP>] and
+    any enclosing force() for the ops it names; per context (thread, asyncio task).
+
+    Routing happens when an op runs: a backward that autograd runs outside the block, or on its
+    CUDA device thread, routes unforced, and a graph torch.compile built inside the block keeps
+    the choice it lowered."""
+    if impl is not None and impl not in SHARED_IMPLS:
+        raise ValueError(f"force: every op has {', '.join(SHARED_IMPLS)}, not {impl!r}; force "
+                         f"one op's impl with force(op=impl)")
+    for op, name in impls.items():
+        if op not in OPS:
+            raise ValueError(f"force: unknown op {op!r}; ops are {', '.join(OPS)}")
+        route(op, name)
+    state = dict(_forced.get())
+    if impl is not None:
+        state.update(dict.fromkeys(OPS, impl))
+    state.update(impls)
+    token = _forced.set(MappingProxyType(state))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def forced(op: str) -> Optional[tuple[str, str]]:
+    """(the impl forced for op, who forced it), or None."""
+    impl = _forced.get().get(op)
+    if impl is not None:
+        return impl, "routing.force"
+    by_env = env.forced_impl(op)
+    if by_env is not None:
+        variable, impl = by_env
+        return impl, f"{variable}={impl}"
+    return None
+
+
+def _refusal(r: Route, x: Inputs, is_forced: bool) -> Optional[str]:
+    if is_forced and r.interpreted and x.device_type == "cpu" and env.triton_interpret():
+        if x.dtype == torch.bfloat16:
+            return "the Triton interpreter mis-computes bfloat16 dots: float16/float32 on CPU"
+        x = dataclasses.replace(x, device_type="cuda", sm=INTERPRETER_SM)
+    return r.refuse(x)
+
+
+def forced_refusal(op: str, impl: str, x: Inputs) -> Optional[str]:
+    """Why `impl` cannot serve x even when forced (as a kernel called by name is), or None."""
+    return _refusal(route(op, impl), x, True)
+
+
+def _reasons(op: str, x: Inputs) -> list[tuple[Route, Optional[str], str]]:
+    """(row, reason or None, its kind: "refused", "deferred" or "skipped") per candidate."""
+    who = forced(op)
     rows = []
     for r in candidates(op):
-        reason = r.refuse(x)
-        if reason is None and forced and r.impl != forced:
-            reason = f"not the forced impl (NSA_OPS_FORCE_IMPL*={forced})"
-        if reason is None and r.impl != forced:
-            reason = r.defer(x)
-        rows.append((r.impl, reason))
+        is_forced = who is not None and r.impl == who[0]
+        reason = _refusal(r, x, is_forced)
+        if reason is not None:
+            rows.append((r, reason, "refused"))
+        elif who is not None and not is_forced:
+            rows.append((r, f"not the forced impl ({who[1]})", "skipped"))
+        else:
+            rows.append((r, None if is_forced else r.defer(x), "deferred"))
     return rows
 
 
+def explain(op: str, x: Inputs) -> list[tuple[str, Optional[str]]]:
+    """(impl, refusal reason or None) for every candidate of op, in preference order."""
+    return [(r.impl, reason) for r, reason, _ in _reasons(op, x)]
+
+
+class RoutingError(ValueError):
+    """No row serves the inputs. The message names the inputs, then each row's reason; `brief`
+    says it in one line (the forced impl's reason, when one is forced)."""
+    brief: str
+
+
+def _routing_error(op: str, x: Inputs, reasons: list[tuple[str, Optional[str]]]) -> RoutingError:
+    who = forced(op)
+    impls = [impl for impl, _ in reasons]
+    lines = [f"no implementation of nsa.{op} serves these inputs", f"  inputs: {x.summary()}"]
+    lines += [f"  {impl}{' (forced)' if who and impl == who[0] else ''}: {reason}"
+              for impl, reason in reasons]
+    error = RoutingError("\n".join(lines))
+    if who is None:
+        error.brief = (f"no implementation of nsa.{op} serves {x.summary()}: "
+                       + "; ".join(f"{impl}: {reason}" for impl, reason in reasons))
+    elif who[0] not in impls:
+        error.brief = f"{who[1]}: nsa.{op} has no impl {who[0]!r}; it has {', '.join(impls)}"
+    else:
+        error.brief = (f"{who[1]}: {who[0]} cannot serve nsa.{op} for {x.summary()}: "
+                       f"{dict(reasons)[who[0]]}")
+    return error
+
+
 def choose(op: str, x: Inputs) -> Route:
-    rows = explain(op, x)
-    for route, (_, reason) in zip(candidates(op), rows):
+    rows = _reasons(op, x)
+    for r, reason, _ in rows:
         if reason is None:
-            return route
-    raise ValueError(f"no implementation of nsa.{op} serves {x}: "
-                     + "; ".join(f"{impl}: {reason}" for impl, reason in rows))
+            return r
+    raise _routing_error(op, x, [(r.impl, reason) for r, reason, _ in rows])
 
 
 _resolved: dict[str, Callable] = {}
@@ -395,22 +649,24 @@ def resolve(target: str) -> Callable:
 
 
 def describe(examples: Optional[list[Inputs]] = None) -> str:
-    """The table and, for each example input, which impl runs and why the others do not."""
+    """The table, the thresholds in effect and where each came from, and for each example input
+    which impl runs and why the others do not."""
     lines = ["nsa_ops routing table (first candidate without a refusal runs):"]
     for op in OPS:
         lines.append(f"  {op}: " + " -> ".join(r.impl for r in candidates(op)))
+    limits = thresholds()
+    origin = "defaults" if limits.origin is None else f"{limits.origin} over the defaults"
+    lines.append(f"\nthresholds ({origin}):")
+    for name, t in THRESHOLDS.items():
+        lines.append(f"  {name}: {t.meaning}")
+        lines += [f"      {_sm_name(sm):6s} {_value(value):>6s}  {source}"
+                  for sm, (value, source) in sorted(limits.entries[name].items())]
     for x in examples or default_examples():
-        sm = f"sm{x.sm[0]}{x.sm[1]}" if x.sm else "-"
-        shape = (f"decode Tq={x.seqlen} cache {x.decode.capacity} tokens" if x.decode else
-                 f"T={x.seqlen}" + (" varlen" if x.varlen else ""))
-        lines.append(f"\n{x.device_type} {sm} {str(x.dtype).replace('torch.', '')} "
-                     f"Dk={x.head_dim_qk} Dv={x.head_dim_v} {shape}")
+        lines.append(f"\n{x.summary()}")
         for op in ("decode",) if x.decode else PREFILL_OPS:
-            chosen = choose(op, x).impl
-            lines.append(f"  {op:26s} -> {chosen}")
-            for impl, reason in explain(op, x):
-                if reason:
-                    lines.append(f"      {impl:11s} refused: {reason}")
+            lines.append(f"  {op:26s} -> {choose(op, x).impl}")
+            lines += [f"      {r.impl:11s} {kind}: {reason}"
+                      for r, reason, kind in _reasons(op, x) if reason]
     return "\n".join(lines)
 
 

@@ -226,6 +226,7 @@ def test_decode_geometry_the_kernel_cannot_serve_runs_the_reference(geometry, wh
 
 def test_forced_reference_decode_on_cpu(monkeypatch):
     monkeypatch.setenv("NSA_OPS_FORCE_IMPL_DECODE", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # with it, forced Triton serves CPU
     x = Inputs("cpu", None, torch.float32, 8, 12, 1, decode=SPEC_GEOMETRY)
     with pytest.raises(ValueError, match="no implementation of nsa.decode"):
         routing.choose("decode", x)

@@ -153,7 +153,7 @@ def test_cpu_routing():
 
 def test_cpu_refusals():
     bf16 = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16)
-    assert "bf16" in win.backend_refusal("triton", bf16)
+    assert "bfloat16" in win.backend_refusal("triton", bf16)
     f64 = torch.zeros(1, 4, 2, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="no sliding-window backend"):
         win.sliding_window_fwd(f64, f64, f64, 2, 0.25)
