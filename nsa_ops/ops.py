@@ -145,13 +145,15 @@ def _setup_compressed(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.params = (block_len, block_stride, scale)
     ctx.seqlen_k = seqlen_k
+    ctx.forces = routing.forces()
 
 
 def _backward_compressed(ctx, do, dlse):
     q, k_cmp, v_cmp, o, lse, cu_q, cu_k = ctx.saved_tensors
     do = _do_or_zeros(o, do)
-    dq, dk, dv = compressed_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse, *ctx.params,
-                                               cu_q, cu_k, ctx.seqlen_k)
+    with routing.force(**ctx.forces):
+        dq, dk, dv = compressed_attention_backward(q, k_cmp, v_cmp, o, lse, do, dlse,
+                                                   *ctx.params, cu_q, cu_k, ctx.seqlen_k)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -242,13 +244,15 @@ def _setup_selection(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, block_idx, cu_q, cu_k)
     ctx.set_materialize_grads(False)
     ctx.params = (sel_block, scale)
+    ctx.forces = routing.forces()
 
 
 def _backward_selection(ctx, do, dlse):
     q, k, v, o, lse, block_idx, cu_q, cu_k = ctx.saved_tensors
     do = _do_or_zeros(o, do)
-    dq, dk, dv = selection_attention_backward(q, k, v, o, lse, do, dlse, block_idx, *ctx.params,
-                                              cu_q, cu_k)
+    with routing.force(**ctx.forces):
+        dq, dk, dv = selection_attention_backward(q, k, v, o, lse, do, dlse, block_idx,
+                                                  *ctx.params, cu_q, cu_k)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -301,13 +305,15 @@ def _setup_window(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
     ctx.set_materialize_grads(False)
     ctx.params = (window, scale)
+    ctx.forces = routing.forces()
 
 
 def _backward_window(ctx, do, dlse):
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     do = _do_or_zeros(o, do)
-    dq, dk, dv = sliding_window_attention_backward(q, k, v, o, lse, do, dlse, *ctx.params,
-                                                   cu_q, cu_k)
+    with routing.force(**ctx.forces):
+        dq, dk, dv = sliding_window_attention_backward(q, k, v, o, lse, do, dlse, *ctx.params,
+                                                       cu_q, cu_k)
     return dq, dk, dv, None, None, None, None, None
 
 
@@ -374,10 +380,12 @@ def _(do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads):
 def _setup_gate(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
     ctx.gate_grads = any(ctx.needs_input_grad[3:])
+    ctx.forces = routing.forces()
 
 
 def _backward_gate(ctx, do):
-    grads = gate_combine_backward(do, *ctx.saved_tensors, ctx.gate_grads)
+    with routing.force(**ctx.forces):
+        grads = gate_combine_backward(do, *ctx.saved_tensors, ctx.gate_grads)
     return tuple(d if need else None for d, need in zip(grads, ctx.needs_input_grad))
 
 

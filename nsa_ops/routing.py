@@ -538,9 +538,8 @@ def force(impl: Optional[str] = None, /, **impls: str) -> Iterator[None]:
     with its reason; measured preferences are lifted). Overrides NSA_OPS_FORCE_IMPL[_<OP>] and
     any enclosing force() for the ops it names; per context (thread, asyncio task).
 
-    Routing happens when an op runs: a backward that autograd runs outside the block, or on its
-    CUDA device thread, routes unforced, and a graph torch.compile built inside the block keeps
-    the choice it lowered."""
+    Routing happens when an op runs; an op's backward routes under the forcing its forward saw
+    (see forces), and a graph torch.compile built inside the block keeps the choice it lowered."""
     if impl is not None and impl not in SHARED_IMPLS:
         raise ValueError(f"force: every op has {', '.join(SHARED_IMPLS)}, not {impl!r}; force "
                          f"one op's impl with force(op=impl)")
@@ -557,6 +556,13 @@ def force(impl: Optional[str] = None, /, **impls: str) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
+
+
+def forces() -> dict[str, str]:
+    """What routing.force set in this context, {op: impl}: the ops' autograd setup saves it and
+    their backward re-enters it, since autograd runs CUDA backward on its own threads, which a
+    context variable does not reach."""
+    return dict(_forced.get())
 
 
 def forced(op: str) -> Optional[tuple[str, str]]:

@@ -391,3 +391,18 @@ def test_cudnn_compressed_refuses_inside_cuda_graph_capture():
     captured = dataclasses.replace(x, capturing=True)
     assert routing.choose("compressed_attention", captured).impl == "triton"
     assert "capture" in dict(routing.explain("compressed_attention", captured))["cudnn"]
+
+
+def test_backward_routes_under_the_forcing_its_forward_saw(monkeypatch):
+    """A backward run after the force block (as autograd's device threads run it) still takes the
+    forced impl."""
+    seen = []
+    real = routing.choose
+    monkeypatch.setattr(routing, "choose",
+                        lambda op, x: seen.append((op, real(op, x).impl)) or real(op, x))
+    q, k, v = qkv(1, 40, 4, 2, 16, 16, requires_grad=True)
+    with routing.force(sliding_window_attention="triton"):  # the interpreter on CPU
+        o, _ = torch.ops.nsa.sliding_window_attention(q, k, v, 8, 0.25)
+    seen.clear()
+    o.sum().backward()  # unforced, CPU tensors would take the reference
+    assert seen and all(impl == "triton" for _, impl in seen)
