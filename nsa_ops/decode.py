@@ -147,9 +147,7 @@ def decode_attention(q: Tensor, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g
     if not 0 < Tq <= cache.length:
         raise ValueError(f"q must hold 1..{cache.length} query rows (the cached tokens), "
                          f"got Tq={Tq}")
-    x = routing.Inputs.of_cache(q, cache)
-    route = routing.choose("decode", x)
-    observe.routed("decode", route, x)
+    route = observe.choose("decode", routing.Inputs.of_cache(q, cache))
     # as in the prefill ops: inputs arrive in the dtypes autocast chose, and inside, float32
     # accumulation holds rather than autocast's per-op casts, so decode equals prefill
     with torch.autocast(q.device.type, enabled=False):

@@ -99,25 +99,27 @@ def parity(fraction: float = 1.0) -> Iterator[None]:
         _calls.update(saved[1])
 
 
-def routed(op: str, route: routing.Route, x: routing.Inputs) -> None:
-    """The INFO line of a first (op, impl, dtype, device type): called with every routing
-    decision of the ops."""
+def choose(op: str, x: routing.Inputs) -> routing.Route:
+    """routing.choose, for a call that runs: the first time an (op, impl, dtype, device type)
+    runs, its INFO line."""
+    route = routing.choose(op, x)
     # compiling first: Dynamo constant-folds it, and cannot trace Logger methods (decode may be
     # compiled)
     if torch.compiler.is_compiling() or not logger.isEnabledFor(logging.INFO):
-        return
+        return route
     key = (op, route.impl, x.dtype, x.device_type)
     if key in _logged:
-        return
+        return route
     _logged.add(key)
     passed = []
-    for row, (impl, reason) in zip(routing.candidates(op), routing.explain(op, x)):
-        if impl == route.impl:
+    for row, reason, kind in routing.reasons(op, x):
+        if row.impl == route.impl:
             break
-        passed.append(f"{impl} {'refused' if row.refuse(x) else 'deferred'}: {reason}")
+        passed.append(f"{row.impl} {kind}: {reason}")
     sm = f" sm{x.sm[0]}{x.sm[1]}" if x.sm else ""
     logger.info("nsa.%s runs %s for %s on %s%s%s", op, route.impl, _name(x.dtype),
                 x.device_type, sm, "; " + "; ".join(passed) if passed else " (first choice)")
+    return route
 
 
 def ran(route: routing.Route, target: str, args: tuple, keys: dict, out) -> None:

@@ -23,18 +23,13 @@ _DEVICES = ("cpu", "cuda")
 
 def _route(op: str, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor],
            offset: bool = False) -> routing.Route:
-    x = Inputs.of(q, v, cu_seqlens, offset)
-    route = routing.choose(op, x)
-    observe.routed(op, route, x)
-    return route
+    return observe.choose(op, Inputs.of(q, v, cu_seqlens, offset))
 
 
 def _compressed_route(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
                       cu_seqlens: Optional[Tensor], offset: bool) -> routing.Route:
     x = Inputs.of_compressed(q, v_cmp, block_len, block_stride, cu_seqlens, offset)
-    route = routing.choose("compressed_attention", x)
-    observe.routed("compressed_attention", route, x)
-    return route
+    return observe.choose("compressed_attention", x)
 
 
 def _keys(q: Tensor, Tk, cu_seqlens_k: Optional[Tensor], seqlen_k=None) -> tuple[dict, bool]:
@@ -338,9 +333,7 @@ def _gate_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
 def _gate_route(*inputs: Optional[Tensor]) -> routing.Route:
     o_cmp = inputs[0]
     x = dataclasses.replace(Inputs.of(o_cmp, o_cmp), dtype=_gate_dtype(*inputs))
-    route = routing.choose("gate_combine", x)
-    observe.routed("gate_combine", route, x)
-    return route
+    return observe.choose("gate_combine", x)
 
 
 @custom_op("nsa::gate_combine", mutates_args=(), device_types=_DEVICES)

@@ -590,7 +590,7 @@ def forced_refusal(op: str, impl: str, x: Inputs) -> Optional[str]:
     return _refusal(route(op, impl), x, True)
 
 
-def _reasons(op: str, x: Inputs) -> list[tuple[Route, Optional[str], str]]:
+def reasons(op: str, x: Inputs) -> list[tuple[Route, Optional[str], str]]:
     """(row, reason or None, its kind: "refused", "deferred" or "skipped") per candidate."""
     who = forced(op)
     rows = []
@@ -608,7 +608,7 @@ def _reasons(op: str, x: Inputs) -> list[tuple[Route, Optional[str], str]]:
 
 def explain(op: str, x: Inputs) -> list[tuple[str, Optional[str]]]:
     """(impl, refusal reason or None) for every candidate of op, in preference order."""
-    return [(r.impl, reason) for r, reason, _ in _reasons(op, x)]
+    return [(r.impl, reason) for r, reason, _ in reasons(op, x)]
 
 
 class RoutingError(ValueError):
@@ -636,7 +636,7 @@ def _routing_error(op: str, x: Inputs, reasons: list[tuple[str, Optional[str]]])
 
 
 def choose(op: str, x: Inputs) -> Route:
-    rows = _reasons(op, x)
+    rows = reasons(op, x)
     for r, reason, _ in rows:
         if reason is None:
             return r
@@ -672,7 +672,7 @@ def describe(examples: Optional[list[Inputs]] = None) -> str:
         for op in ("decode",) if x.decode else PREFILL_OPS:
             lines.append(f"  {op:26s} -> {choose(op, x).impl}")
             lines += [f"      {r.impl:11s} {kind}: {reason}"
-                      for r, reason, kind in _reasons(op, x) if reason]
+                      for r, reason, kind in reasons(op, x) if reason]
     return "\n".join(lines)
 
 
