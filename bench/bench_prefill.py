@@ -10,7 +10,11 @@ bf16 on one CUDA device, at the geometry of bench/geometry.py (default: the spec
   *_compiled   the two NSA methods under torch.compile (selection lowers to nsa_ops.lowering's
                template, the gate fuses into its epilogue)
   fla_nsa      fla.ops.nsa.parallel_nsa (l=d=l'=64, n=16, no window) when fla is importable
-Prints a table; writes prefill.csv and prefill.png (median ms, log scale) into --out.
+  flash_nsa    flash-nsa's HFNSACore at the geometry, when its source is under .peers/
+               (bench/peers.py: how to get it, and the FA-2 shim its window branch runs on)
+Prints a table; writes prefill.csv and prefill.png (median ms, log scale) into --out, with each
+method's peak memory over the forward+backward step and, for flash_nsa, the relative error of
+its output against nsa_full's on the same inputs.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 
 import geometry
 import nsa_ops
+import peers
 from nsa_ops.results import commit, new_figure, save_figure, write_csv
 
 
@@ -66,6 +71,15 @@ def fla_nsa():
     return run
 
 
+class Gates(list):
+    """The three branch gates [B,T,HQ] (the sigmoid of random logits) for our methods; `.logits`
+    [B*T, HQ, 3] for flash-nsa, whose combine applies the sigmoid itself."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__(torch.sigmoid(logits).unbind(-1))
+        self.logits = logits.flatten(0, 1).contiguous()
+
+
 def median_ms(fn, warmup=3, reps=10) -> float:
     for _ in range(warmup):
         fn()
@@ -81,22 +95,32 @@ def median_ms(fn, warmup=3, reps=10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(method, cfg: nsa_ops.NSAConfig, B: int, T: int) -> tuple[float, float]:
+def measure(method, cfg: nsa_ops.NSAConfig, B: int, T: int, compare_with=None) -> dict:
+    """Median fwd / fwd+bwd ms, peak GB over the fwd+bwd step and, given compare_with (a method
+    computing the same function), the relative error of method's output against it."""
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     HQ, H, Dk, Dv = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
     q = torch.randn(B, T, HQ, Dk, **bf16, requires_grad=True)
     k = torch.randn(B, T, H, Dk, **bf16, requires_grad=True)
     v = torch.randn(B, T, H, Dv, **bf16, requires_grad=True)
-    g = [torch.rand(B, T, HQ, **bf16) for _ in range(3)]
+    g = Gates(torch.randn(B, T, HQ, 3, **bf16))
     do = torch.randn(B, T, HQ, Dv, **bf16)
     with torch.no_grad():
         fwd = median_ms(lambda: method(q, k, v, g))
+        rel_err = float("nan")
+        if compare_with is not None:
+            want = compare_with(q, k, v, g).float()
+            rel_err = ((method(q, k, v, g).float() - want).norm() / want.norm()).item()
 
     def step():
         q.grad = k.grad = v.grad = None
         method(q, k, v, g).backward(do)
-    return fwd, median_ms(step)
+    fwd_bwd = median_ms(step)
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30
+    return dict(fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, peak_mem_gb=peak_gb, rel_err=rel_err)
 
 
 def main() -> None:
@@ -115,6 +139,13 @@ def main() -> None:
     fla = fla_nsa()
     if fla is not None:
         methods["fla_nsa"] = fla
+    flash_nsa, why = peers.flash_nsa_method(cfg)
+    if flash_nsa is not None and args.batch != 1:
+        flash_nsa, why = None, "its HFNSACore takes packed sequences: run with --batch 1"
+    if flash_nsa is not None:
+        methods["flash_nsa"] = flash_nsa
+    else:
+        print(f"flash_nsa skipped: {why}")
     if args.methods:
         methods = {k: v for k, v in methods.items() if k in args.methods}
 
@@ -123,16 +154,19 @@ def main() -> None:
     rows = []
     jobs = [(name, T) for T in args.seqlens for name in methods]
     for name, T in tqdm(jobs, desc="prefill", unit="case"):
+        compare_with = full if name == "flash_nsa" else None
         try:
-            fwd, fwd_bwd = measure(methods[name], cfg, args.batch, T)
+            row = measure(methods[name], cfg, args.batch, T, compare_with)
         except torch.cuda.OutOfMemoryError:
-            fwd = fwd_bwd = float("nan")
+            row = dict.fromkeys(("fwd_ms", "fwd_bwd_ms", "peak_mem_gb", "rel_err"), float("nan"))
         torch.cuda.empty_cache()
-        rows.append(dict(method=name, T=T, fwd_ms=fwd, fwd_bwd_ms=fwd_bwd))
+        rows.append(dict(method=name, T=T, **row))
 
-    print(f"\n{'method':12s} {'T':>6s} {'fwd ms':>9s} {'fwd+bwd ms':>11s}")
+    print(f"\n{'method':20s} {'T':>6s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'peak GB':>8s} "
+          f"{'rel err':>8s}")
     for r in rows:
-        print(f"{r['method']:12s} {r['T']:6d} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f}")
+        print(f"{r['method']:20s} {r['T']:6d} {r['fwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} "
+              f"{r['peak_mem_gb']:8.2f} {r['rel_err']:8.1e}")
 
     out = Path(args.out)
     write_csv(out / "prefill.csv", rows, header)
