@@ -68,13 +68,14 @@ def compare(flash_nsa, cfg, T: int) -> list[dict]:
     num_blocks = -(-T // sel)
     idx_f, _ = flash_nsa.slc_topk_indices(q, kc, lse_f, sm_scale=scale,
                                           maybe_efficient_version=True, scale_slc_p=True)
-    idx_f = idx_f.permute(1, 0, 2)  # [KH, T, n] -> [T, KH, n]
     idx_o = torch.ops.nsa.select_blocks(q[None], kc[None], lse_o, l, d, sel, n, scale)[0]
-    sets_f, sets_o = block_sets(idx_f, num_blocks), block_sets(idx_o, num_blocks)
+    # flash-nsa's layout is [KH, T, n], ours [T, KH, n]
+    sets_f = block_sets(idx_f.permute(1, 0, 2), num_blocks)
+    sets_o = block_sets(idx_o, num_blocks)
     row("top-n block choice", float("nan"), rows=(sets_f != sets_o).any(-1).float().mean().item(),
         blocks=((sets_f & ~sets_o).sum() / sets_o.sum()).item())
 
-    ours_idx = torch.where(idx_f < num_blocks, idx_f, -1)[None]
+    ours_idx = torch.where(idx_f < num_blocks, idx_f, -1).permute(1, 0, 2)[None]
     o_o, _ = torch.ops.nsa.selection_attention(q[None], k[None], v[None], ours_idx, sel, scale)
     row("selection attention", rel_err(flash_nsa.select_attn(q, k, v, idx_f, sm_scale=scale),
                                        o_o[0]))

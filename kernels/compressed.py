@@ -359,28 +359,38 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
                 L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, DK: tl.constexpr,
                 DK_PAD: tl.constexpr, TOK: tl.constexpr, G_PAD: tl.constexpr,
                 SB: tl.constexpr, PREC: tl.constexpr):
-    """Group-summed Eq.9 scores [TOK, SB] of the selection blocks j (one sequence's rows).
+    """Group-summed Eq.9 scores of the selection blocks j (one sequence's rows): (own, spill),
+    each [TOK, SB].
 
-    Selection block j overlaps exactly the compressed blocks i = j*R - HEAD + o, o in [0, HEAD + R):
-    HEAD = l/d - 1 blocks that start in earlier selection blocks, then the R = l'/d starting in it.
-    So each o is one strided [SB] key tile (the HEAD shared ones are recomputed), and the overlap
-    weight is exact integer arithmetic on block extents.
+    With l <= l' a compressed block i = j*R + o (o in [0, R), R = l'/d) starts in selection
+    block j and may run into j + 1 only: `own` holds what the R strided [SB] key tiles give
+    block j, `spill` what they give block j + 1 (the caller shifts it by one block), so every
+    q.k_cmp is computed once. With l > l' a block spans several selection blocks: each tile
+    recomputes the HEAD = l/d - 1 blocks that start in earlier selection blocks, and `spill` is 0.
+    The overlap weights are exact integer arithmetic on block extents.
     """
-    HEAD: tl.constexpr = L // STRIDE - 1
     R: tl.constexpr = SEL // STRIDE
+    HEAD: tl.constexpr = 0 if L <= SEL else L // STRIDE - 1
     # per query row first: the sum over the group's heads is a layout change, done once per tile
-    rows = tl.zeros([TOK * G_PAD, SB], tl.float32)
+    own = tl.zeros([TOK * G_PAD, SB], tl.float32)
+    spill = tl.zeros([TOK * G_PAD, SB], tl.float32)
     for o in tl.static_range(HEAD + R):
         kr = j * R - HEAD + o  # block index inside the sequence
         k = _load_keys(k_ptr, base + kr, skn, DK, DK_PAD, (kr >= 0) & (kr < ncmp))
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         vis = rvalid[:, None] & (kr[None, :] >= 0) & (kr[None, :] < nvis[:, None])
         p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
-        start = kr * STRIDE
-        overlap = tl.minimum(start + L, (j + 1) * SEL) - tl.maximum(start, j * SEL)
-        w = tl.maximum(overlap, 0).to(tl.float32) / L
-        rows += p * w[None, :]
-    return tl.sum(tl.reshape(rows, (TOK, G_PAD, SB)), 1)
+        if HEAD > 0:
+            start = kr * STRIDE
+            overlap = tl.minimum(start + L, (j + 1) * SEL) - tl.maximum(start, j * SEL)
+            own += p * (tl.maximum(overlap, 0).to(tl.float32) / L)[None, :]
+        elif (o * STRIDE + L) <= SEL:
+            own += p
+        else:
+            own += p * ((SEL - o * STRIDE) / L)
+            spill += p * ((o * STRIDE + L - SEL) / L)
+    return (tl.sum(tl.reshape(own, (TOK, G_PAD, SB)), 1),
+            tl.sum(tl.reshape(spill, (TOK, G_PAD, SB)), 1))
 
 
 @triton.jit
@@ -405,11 +415,19 @@ def _score_sequence(acc, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k
     max_vis = tl.max(tl.where(rvalid, nvis, 0), 0)
     n_blk = tl.where(max_vis > 0, (max_vis + L // STRIDE - 2) // R + 1, 0)
     slot = tl.arange(0, NBLK_PAD // SB)
+    col = tl.arange(0, SB)[None, :]
+    # the spill of the previous tile's last block, owed to this tile's first
+    carry = tl.zeros([TOK], tl.float32)
     for it in range(0, tl.cdiv(n_blk, SB)):
         j = it * SB + tl.arange(0, SB)
-        tile = _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
-                           L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
-        acc += tl.where((slot == it)[None, :, None], tile[:, None, :], 0.0)
+        own, spill = _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
+                                 L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
+        if L <= SEL:
+            from_left = tl.gather(spill, tl.maximum(col - 1, 0) + tl.zeros([TOK, SB], tl.int32),
+                                  axis=1)
+            own += tl.where(col == 0, carry[:, None], from_left)
+            carry = tl.sum(tl.where(col == SB - 1, spill, 0.0), 1)
+        acc += tl.where((slot == it)[None, :, None], own[:, None, :], 0.0)
     return acc
 
 
@@ -555,8 +573,8 @@ _TILES = {
     "dq": ((128, 64, 8, 3), (32, 64, 8, 3), (32, 32, 8, 3)),
     "dkdv": ((64, 128, 8, 2), (32, 32, 8, 3), (32, 16, 8, 3)),
 }
-# select_blocks per tier, for a score step of one key load (l = d = l') and of several (l/d - 1 +
-# l'/d): (query rows, selection blocks scored per step, num_warps, num_stages). Tiers 1 and 2 are
+# select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
+# `loads` in select_blocks): (query rows, selection blocks scored per step, num_warps, num_stages). Tiers 1 and 2 are
 # not tuned; one stage keeps their unrolled key loads within shared memory.
 _SELECT_TILES = (((64, 64, 4, 2), (128, 64, 8, 2)),
                  ((64, 32, 8, 1), (64, 32, 8, 1)),
@@ -749,8 +767,10 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     span = key_span(T, NC, block_len, block_stride, seqlen_k, cu_seqlens_k)
     # (at least NSEL_PAD: the top-n takes the NSEL_PAD largest keys)
     nblk_pad = pow2(max(triton.cdiv(span, sel_block), num_sel), 16)
-    tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), nblk_pad,
-                                         block_len // block_stride - 1 + sel_block // block_stride)
+    # key tiles per step: l'/d, plus the l/d - 1 recomputed ones when l > l' (_score_tile)
+    loads = sel_block // block_stride + (block_len // block_stride - 1
+                                         if block_len > sel_block else 0)
+    tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), nblk_pad, loads)
     _select_kernel[(triton.cdiv(T, tok), B * H)](
         q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
@@ -758,7 +778,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
         L=block_len, STRIDE=block_stride, SEL=sel_block, NSEL=num_sel,
         NSEL_PAD=pow2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
         SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),
-        # each step issues l/d - 1 + l'/d unrolled key loads; pipelining them over 3 stages
-        # overflows shared memory (256 KB at l=32, d=16, l'=64, D=128)
+        # each step issues `loads` unrolled key loads; pipelining them over 3 stages overflows
+        # shared memory (l=32, d=16, l'=64, D=128)
         **launch)
     return out

@@ -118,8 +118,9 @@ def _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H: tl.constexpr,
 # depends on whichever shape came first. Both kernels are bound by moving K/V blocks from L2, so
 # what matters is how many loads are in flight: pipeline depth and programs per SM. The picks
 # are the fastest of PER_TOKEN_CONFIGS by bench/tune_selection.py at T=64k (H100, bf16, spec
-# geometry): forward (4, 3) 17.8 ms against 18.5-23.2, dq (2, 3) 36.0 ms against 36.5-43.6.
-PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (1, 2), (1, 3), (8, 3))
+# geometry): forward (4, 3) 17.8 ms against 18.1-23.2, dq (2, 3) 35.9 ms against 36.2-43.6.
+# One warp (flash-nsa's forward launch) measured 23.0-29.4 ms forward, 41.0-53.2 ms dq.
+PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
 _PER_TOKEN_PICK = {"fwd": (4, 3), "dq": (2, 3)}
 
 
