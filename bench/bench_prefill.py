@@ -7,6 +7,8 @@ bf16 on one CUDA device, at the geometry of bench/geometry.py (default: the spec
   nsa_full     our NSA at the geometry, phi mean
   nsa_fla_cfg  our NSA in fla's configuration (l=d=l'=64, n=16, no window branch)
   sdpa_causal  torch scaled_dot_product_attention, causal, GQA
+  nsa_full_deterministic  nsa_full under torch.use_deterministic_algorithms(True): its backward
+               adds partial dk/dv in a fixed order (kernels/ordered.py), bitwise reproducible
   *_compiled   the two NSA methods under torch.compile (selection lowers to nsa_ops.lowering's
                template, the gate fuses into its epilogue)
   fla_nsa      fla.ops.nsa.parallel_nsa (l=d=l'=64, n=16, no window) when fla is importable
@@ -116,10 +118,15 @@ def measure(method, cfg: nsa_ops.NSAConfig, B: int, T: int, compare_with=None) -
     def step():
         q.grad = k.grad = v.grad = None
         method(q, k, v, g).backward(do)
-    fwd_bwd = median_ms(step)
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    peak_gb = torch.cuda.max_memory_allocated() / 2**30
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(getattr(method, "deterministic", False))
+    try:
+        fwd_bwd = median_ms(step)
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        peak_gb = torch.cuda.max_memory_allocated() / 2**30
+    finally:
+        torch.use_deterministic_algorithms(before)
     return dict(fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, peak_mem_gb=peak_gb, rel_err=rel_err)
 
 
@@ -132,7 +139,10 @@ def main() -> None:
     from tqdm import tqdm
 
     full = nsa_full(cfg)
-    methods = {"nsa_full": full, "nsa_fla_cfg": nsa_fla_cfg, "sdpa_causal": sdpa_causal,
+    deterministic = nsa_full(cfg)
+    deterministic.deterministic = True  # measure() times its backward in that mode
+    methods = {"nsa_full": full, "nsa_full_deterministic": deterministic,
+               "nsa_fla_cfg": nsa_fla_cfg, "sdpa_causal": sdpa_causal,
                # one compile per length: the template and its autotuning see the real shapes
                "nsa_full_compiled": torch.compile(full, fullgraph=True, dynamic=False),
                "nsa_fla_cfg_compiled": torch.compile(nsa_fla_cfg, fullgraph=True, dynamic=False)}

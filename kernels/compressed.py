@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_ops.kernels import ordered
 from nsa_ops.kernels.utils import dot_precision, pow2, unit_last_stride
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
@@ -29,7 +30,9 @@ _LOG2E = tl.constexpr(LOG2E)  # kernels work in base 2 (exp2 / log2)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 # Upper bound on TOK * NBLK_PAD: the fp32 block scores that select_blocks keeps in registers.
-_SCORE_BUDGET = 8192
+# Measured on an H100 (spec geometry, bf16): at T=128k (NBLK_PAD 2048) 16384 gives 8 tokens per
+# program, 48.8 ms, where 8192 gave 4, 66.2 ms; T=64k keeps its 8 tokens (10.1 ms) either way.
+_SCORE_BUDGET = 16384
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,17 +293,28 @@ def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, sqt, sqh, sdt, sdh,
 
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ, KIDX, CU, VSTART,
-                 sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sdb, sdt, sdh,
+                 SYNC, sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sdb, sdt, sdh,
                  sgkb, sgkn, sgkh, sgvb, sgvn, sgvh,
-                 T, NC, H, G, HQ, scale, qk_scale,
+                 T, NC, H, G, HQ, scale, qk_scale, KEY_TILES,
                  L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
                  G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-                 PREC: tl.constexpr, NSPLIT: tl.constexpr):
-    b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
-    kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
-    split = tl.program_id(2)
-    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                 PREC: tl.constexpr, NSPLIT: tl.constexpr, ORDERED: tl.constexpr):
+    """dk/dv of one key tile from one split of the tokens viewing it. ORDERED (the deterministic
+    mode, kernels/ordered.py): a 1-D grid of tickets, split fastest, and the splits of a key tile
+    add in split order instead of atomically."""
+    if ORDERED:
+        ticket = ordered.take_ticket(SYNC)
+        split = ticket % NSPLIT
+        tile = ticket // NSPLIT % KEY_TILES
+        bh = ticket // NSPLIT // KEY_TILES
+    else:
+        split = tl.program_id(2)
+        tile = tl.program_id(0)
+        bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)  # batch offsets can pass 2**31 elements
+    kvh = (bh % H).to(tl.int64)  # head offsets too: head-major stride T * D
+    c = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cvalid = c < NC
     k = _load_keys(K + b * skb + kvh * skh, c, skn, DK, DK_PAD, cvalid)
     v = _load_keys(V + b * svb + kvh * svh, c, svn, DV, DV_PAD, cvalid)
@@ -345,6 +359,15 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
     if NSPLIT == 1:
         tl.store(DK_OUT + dk_offs, (dk * scale).to(DK_OUT.dtype.element_ty), mask=dk_mask)
         tl.store(DV_OUT + dv_offs, dv.to(DV_OUT.dtype.element_ty), mask=dv_mask)
+    elif ORDERED:  # fp32 buffers, zeroed by the host
+        if split > 0:
+            ordered.wait_for(SYNC, ticket - 1)
+        # .cg: read what the previous split wrote through L2, not a stale L1 line
+        tl.store(DK_OUT + dk_offs, tl.load(DK_OUT + dk_offs, mask=dk_mask, cache_modifier=".cg")
+                 + dk * scale, mask=dk_mask)
+        tl.store(DV_OUT + dv_offs, tl.load(DV_OUT + dv_offs, mask=dv_mask, cache_modifier=".cg")
+                 + dv, mask=dv_mask)
+        ordered.pass_turn(SYNC, ticket)
     else:  # fp32 buffers, zeroed by the host; splits of one key tile meet only here
         tl.atomic_add(DK_OUT + dk_offs, dk * scale, mask=dk_mask, sem="relaxed")
         tl.atomic_add(DV_OUT + dv_offs, dv, mask=dv_mask, sem="relaxed")
@@ -722,13 +745,17 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
             dv_acc = torch.zeros(dv.shape, dtype=torch.float32, device=dv.device)
         else:
             dk_acc, dv_acc = dk, dv
-        _dkdv_kernel[(key_tiles, B * H, nsplit)](
+        grid = (key_tiles, B * H, nsplit)
+        ordered_adds = nsplit > 1 and torch.are_deterministic_algorithms_enabled()
+        sync = ordered.sync_buffer(key_tiles * B * H * nsplit, q.device) if ordered_adds else dk
+        _dkdv_kernel[(key_tiles * B * H * nsplit,) if ordered_adds else grid](
             q, k_cmp, v_cmp, do, lse, delta, dk_acc, dv_acc, lay.seq, lay.pos, lay.cmp_cu,
-            lay.key_seq, lay.key_idx, lay.cu, lay.view_start,
+            lay.key_seq, lay.key_idx, lay.cu, lay.view_start, sync,
             *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
             *_s(dk_acc, 0, 1, 2), *_s(dv_acc, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
-            TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, NSPLIT=nsplit, **common)
+            key_tiles, TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, NSPLIT=nsplit,
+            ORDERED=ordered_adds, **common)
         if nsplit > 1:
             dk.copy_(dk_acc)
             dv.copy_(dv_acc)
@@ -740,7 +767,8 @@ def _dkdv_splits(programs: int, T: int, tok: int, device) -> int:
 
     One program per key tile leaves most SMs idle at long T (64k tokens, l=d=64, H=4: 128
     programs, each walking up to 64k * G query rows). Splitting the viewing tokens gives about
-    four waves; each split adds its partial sums with fp32 atomics.
+    four waves; each split adds its partial sums with fp32 atomics, or in split order under
+    torch.use_deterministic_algorithms(True).
     """
     if device.type != "cuda":
         return 1

@@ -16,6 +16,8 @@ inverse index (built with torch.sort / searchsorted on device, no host sync) lis
 (batch, KV head, block), the queries that picked it, cut into chunks of about ROWS_PER_CHUNK query
 rows. One program per (chunk, key tile) recomputes P and dS for its rows with [BM, BN] tiles and
 atomically adds its partial dk/dv into fp32 buffers; only blocks spanning several chunks contend.
+Under torch.use_deterministic_algorithms(True) the chunks of a block add in chunk order instead
+(kernels/ordered.py), so gradients are bitwise reproducible.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_ops.kernels import ordered
 from nsa_ops.kernels.utils import dot_precision, pow2, unit_last_stride
 from nsa_ops.reference import distinct_slots, query_keys
 
@@ -263,19 +266,29 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, cu_q, cu_k, OFF, NSEQ
 
 
 @triton.jit
-def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos,
+def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync,
                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
                  T, TK, scale, qk_scale,
                  H: tl.constexpr, G: tl.constexpr, GP2: tl.constexpr, DK: tl.constexpr,
                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
-                 BN: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+                 BN: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+                 ORDERED: tl.constexpr):
     """Partial dk/dv of one key tile from one chunk of the queries that selected its block.
 
     chunks[pid] = (first entry, end entry, b * H + h, first token of the block), int64; entries
     ent_tok[e0:e1] are the query tokens, ascending, ent_pos[e0:e1] the key positions they sit at
-    (T queries over TK keys). Rows of a [BM, *] tile are (query, head) pairs.
+    (T queries over TK keys). Rows of a [BM, *] tile are (query, head) pairs. ORDERED (the
+    deterministic mode, kernels/ordered.py): a 1-D grid of tickets, chunk-major, and the chunks of
+    one block add into dk/dv in chunk order instead of atomically.
     """
-    pid = tl.program_id(0)
+    NT: tl.constexpr = (SEL + BN - 1) // BN
+    if ORDERED:
+        ticket = ordered.take_ticket(sync)
+        pid = ticket // NT
+        tile = ticket % NT
+    else:
+        pid = tl.program_id(0)
+        tile = tl.program_id(1)
     e0 = tl.load(chunks + pid * 4)
     e1 = tl.load(chunks + pid * 4 + 1)
     if e1 > e0:
@@ -284,7 +297,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos,
         h = bh % H
         # keys past the chunk's last query get nothing from it (and stay inside the sequence)
         t_last = tl.load(ent_pos + e1 - 1)
-        offs = tl.program_id(1) * BN + tl.arange(0, BN)
+        offs = tile * BN + tl.arange(0, BN)
         toks = tl.load(chunks + pid * 4 + 3) + offs
         kmask = toks <= t_last
         if SEL % BN != 0:  # the block's last tile runs past its end
@@ -322,10 +335,26 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos,
             dk_acc += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC)
 
         out = (b * TK + toks) * H + h
-        tl.atomic_add(dk + out[:, None] * DK + kcols[None, :], dk_acc * scale,
-                      mask=kmask[:, None] & (kcols[None, :] < DK), sem="relaxed")
-        tl.atomic_add(dv + out[:, None] * DV + vcols[None, :], dv_acc,
-                      mask=kmask[:, None] & (vcols[None, :] < DV), sem="relaxed")
+        dk_ptr = dk + out[:, None] * DK + kcols[None, :]
+        dv_ptr = dv + out[:, None] * DV + vcols[None, :]
+        dk_mask = kmask[:, None] & (kcols[None, :] < DK)
+        dv_mask = kmask[:, None] & (vcols[None, :] < DV)
+        if ORDERED:
+            # the previous chunk of the same block (chunks of a block are consecutive)
+            same_block = (pid > 0) & (tl.load(chunks + pid * 4 - 2) == bh) & \
+                (tl.load(chunks + pid * 4 - 1) == tl.load(chunks + pid * 4 + 3))
+            if same_block:
+                ordered.wait_for(sync, ticket - NT)
+            # .cg: read what the previous chunk wrote through L2, not a stale L1 line
+            tl.store(dk_ptr, tl.load(dk_ptr, mask=dk_mask, cache_modifier=".cg") +
+                     dk_acc * scale, mask=dk_mask)
+            tl.store(dv_ptr, tl.load(dv_ptr, mask=dv_mask, cache_modifier=".cg") + dv_acc,
+                     mask=dv_mask)
+        else:
+            tl.atomic_add(dk_ptr, dk_acc * scale, mask=dk_mask, sem="relaxed")
+            tl.atomic_add(dv_ptr, dv_acc, mask=dv_mask, sem="relaxed")
+    if ORDERED:
+        ordered.pass_turn(sync, ticket)
 
 
 # --------------------------------------------------------------------------------------------
@@ -533,10 +562,13 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
     queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
     ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, queries_per_chunk)
-    _dkdv_kernel[(chunks.shape[0], triton.cdiv(sel_block, bn))](
-        q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos,
+    grid = (chunks.shape[0], triton.cdiv(sel_block, bn))
+    ordered_adds = torch.are_deterministic_algorithms_enabled()
+    sync = ordered.sync_buffer(grid[0] * grid[1], q.device) if ordered_adds else bidx
+    _dkdv_kernel[(grid[0] * grid[1],) if ordered_adds else grid](
+        q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, Tk, scale, scale * math.log2(math.e),
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
-        PREC=prec, num_warps=warps, num_stages=stages)
+        PREC=prec, ORDERED=ordered_adds, num_warps=warps, num_stages=stages)
     return dq, dk.to(k.dtype), dv.to(v.dtype)

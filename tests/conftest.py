@@ -27,3 +27,12 @@ def poisoned_empty():
     """`helpers.poisoned_empty` for the whole test."""
     with helpers.poisoned_empty():
         yield
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for the test, restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)

@@ -228,14 +228,18 @@ def test_select_blocks_ties():
     assert torch.equal(block_idx, ref.topn_blocks(score, pos, sel, n))
 
 
-@pytest.mark.parametrize("nsplit", [1, 3], ids=["whole", "split3"])
+@pytest.mark.parametrize("nsplit,ordered", [(1, False), (3, False), (3, True)],
+                         ids=["whole", "split3", "split3-ordered"])
 @pytest.mark.parametrize("cu_list", [None, [0, 150, 155, 300]], ids=["fixed", "varlen"])
-def test_small_tiles(monkeypatch, cu_list, nsplit):
+def test_small_tiles(monkeypatch, cu_list, nsplit, ordered):
     """Tiles much smaller than the visible ranges: unmasked key / query tiles, several score tiles
     per selection pass and, in varlen, tiles straddling sequences (one shorter than l) right where
     the first sequence already sees more than a key tile. split3: the dk/dv query range of every
-    key tile is cut in three programs whose partial sums meet through atomics (as on a GPU)."""
+    key tile is cut in three programs whose partial sums meet through atomics (as on a GPU), or
+    in split order in deterministic mode (kernels/ordered.py)."""
     monkeypatch.setattr(kc, "_dkdv_splits", lambda *args: nsplit)
+    if ordered:
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4, 1),) * 3 for name in kc._TILES})
     monkeypatch.setattr(kc, "_SELECT_TILES", (((64, 16, 4, 1),) * 2,) * 3)
     T = 200 if cu_list is None else cu_list[-1]

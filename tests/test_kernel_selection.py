@@ -156,6 +156,16 @@ def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, w
     run_case(q, k, v, block_idx, sel_block, dtype, with_dlse)
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[9]], ids=["fp32-l16", "fp32-l48"])
+def test_selection_kernels_ordered(case, monkeypatch, poisoned_empty, deterministic):
+    """Deterministic mode (kernels/ordered.py): the chunks of a block add in chunk order, with
+    one query per chunk so that blocks span many chunks."""
+    B, T, H, G, Dk, Dv, sel_block, n, dtype, _, with_dlse, _ = case
+    monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
+    q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype)
+    run_case(q, k, v, random_block_idx(B, T, H, n, sel_block), sel_block, dtype, with_dlse)
+
+
 @pytest.mark.parametrize("selection", ["spec", "random"])
 def test_selection_kernels_varlen(selection, poisoned_empty):
     cu_seqlens = torch.tensor([0, 21, 60, 97], dtype=torch.int32)

@@ -269,3 +269,58 @@ def test_gpu_ops_at_an_offset(B, Tk, Tq, lengths_k, lengths_q):
     got = nsa.select_blocks(*(t.to("cuda", torch.float32) for t in (q, k_cmp, lse_cmp)), L, D,
                             LP, N, 0.3, **on).cpu()
     assert (got != idx).any(-1).float().mean() < 1e-3
+
+
+def _rel_err(got, want):
+    got, want = got.float(), want.float()
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.gpu
+def test_gpu_ops_past_int32_elements():
+    """q, o and dq of T = 266240 tokens x 64 heads x 128 hold 2.18e9 elements, past 2**31: each
+    op's CUDA route at that length (offsets must be int64), forward and gradients, against the
+    same op over the last 64 queries only (queries at an offset: small q, o and dq). The full
+    call's upstream gradient is zero outside those rows, so its k/v gradients must match too."""
+    T, TQ, HQ, H, Dh, l, d, lp, n, w = 266240, 64, 64, 4, 128, 32, 16, 64, 16, 512
+    assert T * HQ * Dh > 2 ** 31
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    q = torch.randn(1, T, HQ, Dh, **bf16)
+    k, v = torch.randn(1, T, H, Dh, **bf16), torch.randn(1, T, H, Dh, **bf16)
+    k_cmp, v_cmp = R.compress_mean(k, l, d), R.compress_mean(v, l, d)
+    scale, nsa, tail = Dh ** -0.5, torch.ops.nsa, slice(T - TQ, T)
+
+    _, lse_cmp = nsa.compressed_attention(q, k_cmp, v_cmp, l, d, scale)
+    idx = nsa.select_blocks(q, k_cmp, lse_cmp, l, d, lp, n, scale)
+    idx_tail = nsa.select_blocks(q[:, tail], k_cmp, lse_cmp[:, tail], l, d, lp, n, scale,
+                                 seqlen_k=T)
+    assert (idx[:, tail] != idx_tail).any(-1).float().mean() < 0.01
+
+    calls = {
+        "compressed": (lambda q, k, v, rows, **on: nsa.compressed_attention(
+            q, k, v, l, d, scale, **on), (k_cmp, v_cmp), dict(seqlen_k=T)),
+        "selection": (lambda q, k, v, rows, **on: nsa.selection_attention(
+            q, k, v, idx[:, rows].contiguous(), lp, scale), (k, v), {}),
+        "window": (lambda q, k, v, rows, **on: nsa.sliding_window_attention(
+            q, k, v, w, scale), (k, v), {}),
+    }
+    do_tail = torch.randn(1, TQ, HQ, Dh, **bf16)
+    for name, (call, (kk, vv), offset) in calls.items():
+        def run(q_rows, rows, do, **on):
+            leaves = [x.detach().clone().requires_grad_() for x in (q_rows, kk, vv)]
+            o, lse = call(*leaves, rows, **on)
+            o.backward(do)
+            return o.detach(), lse, *(x.grad for x in leaves)
+
+        do_full = torch.zeros_like(q)
+        do_full[:, tail] = do_tail
+        o, lse, dq, dk, dv = run(q, slice(0, T), do_full)
+        del do_full
+        want = run(q[:, tail], tail, do_tail, **offset)
+        for part, got, ref in zip(("o", "lse", "dq", "dk", "dv"),
+                                  (o[:, tail], lse[:, tail], dq[:, tail], dk, dv), want):
+            assert _rel_err(got, ref) < 2e-2, f"{name} {part}: rel err {_rel_err(got, ref):.3g}"
+        assert dq[:, :T - TQ].abs().max() == 0, f"{name}: dq of rows without upstream gradient"
+        del o, lse, dq, dk, dv, want
+        torch.cuda.empty_cache()
