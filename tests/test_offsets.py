@@ -281,7 +281,10 @@ def test_gpu_ops_past_int32_elements():
     """q, o and dq of T = 266240 tokens x 64 heads x 128 hold 2.18e9 elements, past 2**31: each
     op's CUDA route at that length (offsets must be int64), forward and gradients, against the
     same op over the last 64 queries only (queries at an offset: small q, o and dq). The full
-    call's upstream gradient is zero outside those rows, so its k/v gradients must match too."""
+    call's upstream gradient is zero outside those rows, so its k/v gradients must match too.
+    The two calls may take different routes (cuDNN / FA-2 refuse offsets, Triton serves them):
+    bf16 rounding of the two differs by up to ~2% on the small dq (measured 2.2% for compressed
+    attention); an offset past int32 would give errors of order 1."""
     T, TQ, HQ, H, Dh, l, d, lp, n, w = 266240, 64, 64, 4, 128, 32, 16, 64, 16, 512
     assert T * HQ * Dh > 2 ** 31
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
@@ -320,7 +323,7 @@ def test_gpu_ops_past_int32_elements():
         want = run(q[:, tail], tail, do_tail, **offset)
         for part, got, ref in zip(("o", "lse", "dq", "dk", "dv"),
                                   (o[:, tail], lse[:, tail], dq[:, tail], dk, dv), want):
-            assert _rel_err(got, ref) < 2e-2, f"{name} {part}: rel err {_rel_err(got, ref):.3g}"
+            assert _rel_err(got, ref) < 5e-2, f"{name} {part}: rel err {_rel_err(got, ref):.3g}"
         assert dq[:, :T - TQ].abs().max() == 0, f"{name}: dq of rows without upstream gradient"
         del o, lse, dq, dk, dv, want
         torch.cuda.empty_cache()
