@@ -20,23 +20,38 @@ def _inputs():
 
 
 def _calls(q, k, v):
-    """op name -> (the function of q, k, v, gates timed, the keys it reads); T / d = 1024 rows, so
-    compressed attention takes cuDNN (routing's threshold), the window FA-2."""
+    """op name -> a function of (q, k, v, gates). T / d = 1024 rows: compressed attention takes
+    cuDNN by routing's threshold, the window FA-2; the *_triton entries force the kernels."""
     scale, nsa = Dh ** -0.5, torch.ops.nsa
     k_cmp, v_cmp = R.compress_mean(k, L, D), R.compress_mean(v, L, D)
     _, lse = nsa.compressed_attention(q, k_cmp, v_cmp, L, D, scale)
     idx = nsa.select_blocks(q, k_cmp, lse, L, D, LP, N, scale)
+    def compressed(q, k, v, g):
+        return nsa.compressed_attention(q, R.compress_mean(k, L, D), R.compress_mean(v, L, D), L,
+                                        D, scale)[0]
+
+    def forced(call, **impls):
+        """call with routing.force(**impls): its backward routes as its forward did."""
+        def run(*args):
+            with nsa_ops.routing.force(**impls):
+                return call(*args)
+        return run
+
+    window = lambda q, k, v, g: nsa.sliding_window_attention(q, k, v, W, scale)[0]  # noqa: E731
     return {
-        "compressed": lambda q, k, v, g: nsa.compressed_attention(
-            q, R.compress_mean(k, L, D), R.compress_mean(v, L, D), L, D, scale)[0],
+        "compressed": compressed,
+        # the Triton dk/dv splits each key tile's viewers over programs (ordered adds)
+        "compressed_triton": forced(compressed, compressed_attention="triton"),
         "selection": lambda q, k, v, g: nsa.selection_attention(q, k, v, idx, LP, scale)[0],
-        "window": lambda q, k, v, g: nsa.sliding_window_attention(q, k, v, W, scale)[0],
+        "window": window,
+        "window_triton": forced(window, sliding_window_attention="triton"),
         "nsa_attention": lambda q, k, v, g: nsa_ops.nsa_attention(q, k, v, *g),
     }
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["compressed", "selection", "window", "nsa_attention"])
+@pytest.mark.parametrize("op", ["compressed", "compressed_triton", "selection", "window",
+                                "window_triton", "nsa_attention"])
 def test_gpu_backward_is_bitwise_reproducible(op, deterministic):
     q, k, v, gates = _inputs()
     call = _calls(q, k, v)[op]
