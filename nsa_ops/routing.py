@@ -67,6 +67,7 @@ class Inputs:
     compressed: Optional[CompressedGeometry] = None
     offset: bool = False  # queries at the end of longer keys (Tq < Tk, or cu_seqlens_k given)
     capturing: bool = False  # called inside CUDA-graph capture
+    deterministic: bool = False  # torch.use_deterministic_algorithms(True)
 
     @staticmethod
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False) -> "Inputs":
@@ -74,7 +75,8 @@ class Inputs:
         sm = torch.cuda.get_device_capability(q.device) if cuda else None
         return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], q.shape[1],
                       cu_seqlens is not None, offset=offset,
-                      capturing=cuda and torch.cuda.is_current_stream_capturing())
+                      capturing=cuda and torch.cuda.is_current_stream_capturing(),
+                      deterministic=torch.are_deterministic_algorithms_enabled())
 
     @staticmethod
     def of_compressed(q: torch.Tensor, v_cmp: torch.Tensor, block_len: int, block_stride: int,
@@ -102,7 +104,8 @@ class Inputs:
         if self.compressed:
             parts.append(f"l={self.compressed.block_len} d={self.compressed.block_stride}")
         flags = (("varlen", self.varlen), ("queries at an offset", self.offset),
-                 ("inside CUDA-graph capture", self.capturing))
+                 ("inside CUDA-graph capture", self.capturing),
+                 ("deterministic algorithms", self.deterministic))
         return " ".join(parts + [name for name, on in flags if on])
 
 
@@ -434,8 +437,17 @@ def _not_capturing(x: Inputs) -> Optional[str]:
     return None
 
 
+def _reproducible(x: Inputs) -> Optional[str]:
+    if x.deterministic:
+        return ("torch.use_deterministic_algorithms(True): cuDNN's attention backward gave "
+                "gradients differing bitwise between two runs on one H100 "
+                "(tests/test_determinism.py), the Triton kernel's ordered adds do not")
+    return None
+
+
 # head dims up to 128: the shapes measured
-_cudnn_compressed = _first(_needs_cuda, _no_offset, _not_capturing, _needs_triton, _needs_sm80,
+_cudnn_compressed = _first(_needs_cuda, _no_offset, _not_capturing, _reproducible, _needs_triton,
+                           _needs_sm80,
                            _half_only("cuDNN attention"),
                            _equal_head_dims("cuDNN attention"), _head_dims_upto(128),
                            _head_dim_multiple_of_8("cuDNN attention"), _residue_views_fit,

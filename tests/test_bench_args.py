@@ -13,7 +13,8 @@ sys.path.insert(0, str(BENCH))  # the scripts import each other as top-level mod
 
 import geometry  # noqa: E402
 
-SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "geometry")
+# geometry and peers are modules the scripts import, not scripts
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in ("geometry", "peers"))
 
 
 def parse(argv, batch=1):

@@ -393,6 +393,18 @@ def test_cudnn_compressed_refuses_inside_cuda_graph_capture():
     assert "capture" in dict(routing.explain("compressed_attention", captured))["cudnn"]
 
 
+def test_cudnn_compressed_refuses_under_deterministic_algorithms(deterministic):
+    """cuDNN's attention backward differed bitwise between two runs (tests/test_determinism.py):
+    under torch.use_deterministic_algorithms(True) the Triton kernel, whose split dk/dv adds in
+    order, serves compressed attention."""
+    x = routing.Inputs.of_compressed(torch.empty(1, 65536, 64, 128, device="meta"),
+                                     torch.empty(1, 4096, 4, 128, device="meta"), 32, 16)
+    assert x.deterministic
+    x = dataclasses.replace(x, device_type="cuda", sm=(9, 0), dtype=torch.bfloat16)
+    assert routing.choose("compressed_attention", x).impl == "triton"
+    assert "deterministic" in dict(routing.explain("compressed_attention", x))["cudnn"]
+
+
 def test_backward_routes_under_the_forcing_its_forward_saw(monkeypatch):
     """A backward run after the force block (as autograd's device threads run it) still takes the
     forced impl."""
