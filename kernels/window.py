@@ -1,4 +1,4 @@
-"""Sliding-window attention (NSA window branch): forward and backward over three backends.
+"""Sliding-window attention (NSA window branch): forward and backward over four backends.
 
 Query t attends keys (t - w, t] of its own sequence. Layouts: q [B,T,HQ,Dk], k [B,T,H,Dk],
 v [B,T,H,Dv], G = HQ // H; o [B,T,HQ,Dv] in q's dtype, lse float32 [B,T,HQ] (natural log).
@@ -10,6 +10,8 @@ takes the first of its rows that can serve the inputs):
   aten_fa2    the FA-2 kernels bundled with torch (aten::_flash_attention_forward/backward).
   triton      band-masked flash attention below; serves fp32, Dk != Dv, any G and queries at
               an offset.
+  triton_fa2  the Triton forward, then aten_fa2's backward: on sm90 the Triton forward is the
+              faster one, FA-2's backward the faster one.
 `backend_refusal` asks the routing table why a backend refuses; `select_backend` names the
 backend a call will use.
 
@@ -510,6 +512,8 @@ _BACKENDS = {
     "flash_attn": (_flash_fwd, functools.partial(_fa_backward, _flash_raw_bwd)),
     "aten_fa2": (_aten_fwd, functools.partial(_fa_backward, _aten_raw_bwd)),
     "triton": (_triton_fwd, _triton_bwd),
+    # FA-2's backward reads the Triton forward's o and lse as its own (lse converted)
+    "triton_fa2": (_triton_fwd, functools.partial(_fa_backward, _aten_raw_bwd)),
 }
 
 

@@ -408,6 +408,15 @@ def _has_cudnn9(x: Inputs) -> Optional[str]:
     return None
 
 
+def _triton_window_forward_preferred(x: Inputs) -> Optional[str]:
+    if x.sm != (9, 0):
+        return ("the Triton window forward was measured faster than FA-2 on sm90 only (H100, "
+                "bf16, w=512: 0.53 / 4.08 / 8.29 ms against 0.68 / 5.52 / 11.06 at T = 8k / "
+                "64k / 128k, bench_kernels.py --kernels window); FA-2 runs both ways here "
+                "(force to override)")
+    return None
+
+
 def _cudnn_compressed_preferred(x: Inputs) -> Optional[str]:
     entry = thresholds().get("cudnn_compressed_min_rows", x.sm)
     if entry is None:
@@ -494,6 +503,9 @@ TABLE: tuple[Route, ...] = (
           f"{_REF}:selection_attention_backward", _always),
     Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,
           _first(_importable("flash_attn"), _fa2_common), (("backend", "flash_attn"),)),
+    Route("sliding_window_attention", "triton_fa2", _WIN_FWD, _WIN_BWD,
+          _first(_fa2_common, _has_aten_fa2, _triton), (("backend", "triton_fa2"),),
+          defer=_triton_window_forward_preferred),
     Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,
           _first(_fa2_common, _has_aten_fa2), (("backend", "aten_fa2"),)),
     Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
