@@ -5,7 +5,7 @@ v [B,T,H,Dv], G = HQ // H; o [B,T,HQ,Dv] in q's dtype, lse float32 [B,T,HQ] (nat
 Varlen: B == 1 and cu_seqlens int32 [N+1]; windows never cross sequences.
 
 Backends (the routing table, nsa_ops.routing, states their limits and order; `backend=None`
-takes the first of its rows that can serve the inputs):
+takes the one routing would choose):
   flash_attn  the flash-attn (>= 2.7) package: FA-2 with window_size=(w-1, 0), causal.
   aten_fa2    the FA-2 kernels bundled with torch (aten::_flash_attention_forward/backward).
   triton      band-masked flash attention below; serves fp32, Dk != Dv, any G and queries at
@@ -533,10 +533,17 @@ def backend_refusal(backend: str, q: Tensor, v: Optional[Tensor] = None,
 
 def select_backend(q: Tensor, v: Tensor, backend: Optional[str] = None,
                    offset: bool = False) -> str:
-    """`backend` if it can serve the inputs, else (backend None) the first of the routing
-    table's rows here that can. Raises ValueError with the refusal reason(s) when nothing fits."""
-    names = [backend] if backend is not None else \
-        [r.impl for r in routing.candidates(_OP) if r.impl in _BACKENDS]
+    """`backend` if it can serve the inputs, else (backend None) the backend routing would choose
+    (its first row here that neither refuses nor defers). Raises ValueError with the refusal
+    reason(s) when nothing fits."""
+    if backend is None:
+        rows = routing.reasons(_OP, Inputs.of(q, v, offset=offset))
+        for row, reason, _ in rows:
+            if reason is None and row.impl in _BACKENDS:
+                return row.impl
+        names = [row.impl for row, _, _ in rows if row.impl in _BACKENDS]
+    else:
+        names = [backend]
     reasons = {name: backend_refusal(name, q, v, offset) for name in names}
     for name, reason in reasons.items():
         if reason is None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nsa_ops import reference as ref
+from nsa_ops import routing
 from nsa_ops.kernels import window as win
 
 CPU_TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=1e-2, rtol=1e-2)}
@@ -256,9 +257,9 @@ def test_gpu_backend_matches_reference(backend, cfg, dtype):
                          ids=["dense", "varlen"])
 def test_gpu_backends_agree(cfg, dtype):
     q, k, v, do, dlse, cu = _gpu_inputs(cfg, dtype, seed=1)
-    names = [n for n in ("flash_attn", "aten_fa2", "triton")
-             if win.backend_refusal(n, q, v) is None]
-    assert win.select_backend(q, v) == names[0]
+    names = [n for n in win._BACKENDS if win.backend_refusal(n, q, v) is None]
+    assert win.select_backend(q, v) == routing.choose(
+        "sliding_window_attention", routing.Inputs.of(q, v)).impl
     scale = cfg["Dk"] ** -0.5
     results = {n: _kernel(q, k, v, do, dlse, cfg["w"], scale, cu, n) for n in names}
     for a, b in itertools.combinations(names, 2):

@@ -48,7 +48,11 @@ def test_hopper_bf16_runs_triton_kernels(monkeypatch):
     x = Inputs("cuda", (9, 0), BF16, 128, 128, 32768)
     c = chosen(x)
     assert c["selection_attention"] == c["compressed_attention"] == c["select_blocks"] == "triton"
-    assert c["sliding_window_attention"] in ("flash_attn", "aten_fa2")
+    # the Triton window forward with FA-2's backward, each the faster one on sm90
+    assert c["sliding_window_attention"] in ("flash_attn", "triton_fa2")
+    sm80 = dataclasses.replace(x, sm=(8, 0))
+    assert chosen(sm80)["sliding_window_attention"] in ("flash_attn", "aten_fa2")
+    assert "sm90 only" in dict(routing.explain("sliding_window_attention", sm80))["triton_fa2"]
 
 
 def test_unequal_head_dims_route_window_to_triton(monkeypatch):
