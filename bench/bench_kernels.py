@@ -27,13 +27,16 @@ def median_ms(fn, reps=10):
     return triton.testing.do_bench(fn, warmup=5, rep=reps * 20, return_mode="median")
 
 
-def random_selection(T, n, sel_block, kv_heads, batch, device):
+def random_selection(T, n, sel_block, kv_heads, batch, device, run=1):
     """Forced blocks plus random distinct earlier blocks, in the op's output format [B,T,H,n]
-    (one selection, repeated over the batch)."""
+    (one selection, repeated over the batch). run > 1: runs of `run` consecutive tokens share
+    their random blocks (their scores), as trained models' neighbouring tokens mostly do; the
+    forced local blocks still follow each token."""
     g = torch.Generator(device=device).manual_seed(0)
     pos = torch.arange(T, device=device)
     nblk = -(-T // sel_block)
-    score = torch.rand(1, T, kv_heads, nblk, device=device, generator=g)
+    score = torch.rand(1, -(-T // run), kv_heads, nblk, device=device, generator=g)
+    score = score.repeat_interleave(run, dim=1)[:, :T]
     return reference.topn_blocks(score, pos, sel_block, n).expand(batch, -1, -1, -1).contiguous()
 
 
@@ -81,12 +84,15 @@ def bench_length(cfg: NSAConfig, B: int, T: int, kernels: list[str], rows: list[
     if "selection" in kernels:
         from nsa_ops.kernels import selection as S
         n, lp = cfg.num_sel, cfg.sel_block
-        idx = random_selection(T, n, lp, cfg.num_kv_heads, B, q.device)
-        o, lse = S.selection_attention_fwd(q, k, v, idx, lp, scale)
-        pairs = HQ * (idx >= 0).sum().item() / cfg.num_kv_heads * lp  # bounds the causal pairs
-        record(f"selection n={n} l'={lp}",
-               lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale),
-               lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale), pairs)
+        # random: what random inputs select; coherent: runs of 64 tokens share their blocks
+        for selection, run in (("random", 1), ("coherent", 64)):
+            idx = random_selection(T, n, lp, cfg.num_kv_heads, B, q.device, run)
+            o, lse = S.selection_attention_fwd(q, k, v, idx, lp, scale)
+            pairs = HQ * (idx >= 0).sum().item() / cfg.num_kv_heads * lp  # bounds causal pairs
+            record(f"selection n={n} l'={lp} {selection}",
+                   lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale),
+                   lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale),
+                   pairs)
     if "window" in kernels:
         from nsa_ops.kernels import window as W
         for backend in ("aten_fa2", "triton"):

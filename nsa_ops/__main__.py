@@ -1,5 +1,7 @@
-"""python -m nsa_ops [demo|routing|check-config FILE]: a short CPU/GPU demo, the routing table,
-or a YAML NSAConfig validated and summarised (exit code 1 if it is invalid). A forced impl that
+"""python -m nsa_ops [demo|routing|check-config FILE|inspect [FILE]]: a short CPU/GPU demo, the
+routing table, a YAML NSAConfig validated and summarised (exit code 1 if it is invalid), or the
+heatmaps of what a layer attends to (nsa_ops.heatmaps: FILE's config, --layer its saved
+state_dict, random input of --seqlen tokens, PNG into --out). A forced impl that
 cannot serve, or a bad routing file (NSA_OPS_ROUTING), is a one-line error and exit code 2."""
 from __future__ import annotations
 
@@ -129,13 +131,38 @@ def check_config(path: str) -> int:
     return 0
 
 
+# the layer `inspect` draws without a config file: small enough for a CPU, several blocks deep
+INSPECT_CFG = NSAConfig(hidden_size=64, num_heads=4, num_kv_heads=1, head_dim_qk=16,
+                        head_dim_v=16, block_len=16, block_stride=8, sel_block=16, num_sel=4,
+                        window=32)
+
+
+def inspect(config_file, layer_file, seqlen: int, head: int, out: str) -> int:
+    from . import NSAAttention, heatmaps
+    config = NSAConfig.from_yaml(config_file) if config_file else INSPECT_CFG
+    torch.manual_seed(0)
+    layer = NSAAttention(config)
+    if layer_file:
+        layer.load_state_dict(torch.load(layer_file, map_location="cpu"))
+    path = heatmaps.draw(layer, torch.randn(1, seqlen, config.hidden_size), f"{out}/inspect.png",
+                         head)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nsa_ops", description=__doc__)
     parser.add_argument("command", nargs="?", default="demo",
-                        choices=["demo", "routing", "check-config"])
-    parser.add_argument("file", nargs="?", help="YAML NSAConfig (check-config)")
-    parser.add_argument("--seqlen", type=int, default=1024)
+                        choices=["demo", "routing", "check-config", "inspect"])
+    parser.add_argument("file", nargs="?", help="YAML NSAConfig (check-config, inspect)")
+    parser.add_argument("--seqlen", type=int, default=None,
+                        help="tokens (demo: 1024, inspect: 256)")
+    parser.add_argument("--layer", help="inspect: a saved NSAAttention state_dict")
+    parser.add_argument("--head", type=int, default=0, help="inspect: the query head drawn")
+    parser.add_argument("--out", default=".", help="inspect: directory for inspect.png")
     args = parser.parse_args(argv)
+    if args.command == "inspect":
+        return inspect(args.file, args.layer, args.seqlen or 256, args.head, args.out)
     if args.command == "check-config":
         if args.file is None:
             parser.error("check-config needs a FILE")
@@ -146,7 +173,7 @@ def main(argv=None) -> int:
         if args.command == "routing":
             print(routing.describe())
         else:
-            demo(T=args.seqlen)
+            demo(T=args.seqlen or 1024)
     except ValueError as e:  # a forced impl that cannot serve, a bad routing file
         brief = e.brief if isinstance(e, routing.RoutingError) else e
         print(f"python -m nsa_ops {args.command}: {brief}", file=sys.stderr)

@@ -11,6 +11,7 @@ from .reference import num_cmp
 
 PHIS = ("mean", "mlp")
 GATE_ACTS = ("sigmoid", "softmax")
+BRANCHES = ("cmp", "sel", "win")
 
 
 def _fail(field: str, msg: str):
@@ -39,6 +40,8 @@ class NSAConfig:
     rope_theta: float = 10000.0
     max_position: Optional[int] = None
     bias: bool = False
+    # diagnostic for ablations: only this branch's gate stays, the other two are zero
+    force_branch: Optional[str] = None
 
     def __post_init__(self):
         self.validate()
@@ -77,6 +80,9 @@ class NSAConfig:
             _fail("rope_theta", f"must be a finite positive number, got {self.rope_theta!r}")
         if not isinstance(self.bias, bool):
             _fail("bias", f"must be true or false, got {self.bias!r}")
+        if self.force_branch is not None and self.force_branch not in BRANCHES:
+            _fail("force_branch", f"must be one of {BRANCHES} or null, got "
+                                  f"{self.force_branch!r}")
 
     # ---- derived numbers ---------------------------------------------------------------------
 

@@ -37,7 +37,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
                   phi: Union[str, Phi, tuple[Phi, Phi]] = "mean", scale: Optional[float] = None,
                   cu_seqlens: Optional[Tensor] = None, block_idx: Optional[Tensor] = None,
                   cu_seqlens_q: Optional[Tensor] = None,
-                  cu_seqlens_k: Optional[Tensor] = None) -> Tensor:
+                  cu_seqlens_k: Optional[Tensor] = None,
+                  on_block_idx: Optional[Callable[[Tensor], None]] = None) -> Tensor:
     """Native Sparse Attention: o = g_cmp*o_cmp + g_slc*o_slc + g_win*o_win.
 
     q [B,T,HQ,Dk], k [B,T,H,Dk], v [B,T,H,Dv], gates [B,T,HQ] (already activated). Varlen: B == 1
@@ -51,6 +52,8 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     Tk - Tq + i, as in flash-attn's causal attention with unequal lengths (the last Tq rows of
     the full computation: chunked prefill, context parallelism). Varlen: cu_seqlens_q with
     cu_seqlens_k instead of cu_seqlens, each sequence's queries at the end of its keys.
+    on_block_idx, if given, is called with the block_idx the selection used (NSAAttention's
+    selection statistics read it).
     """
     check.check_qkv(q, k, v)
     cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
@@ -87,4 +90,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     # the op under torch.compile too: Inductor (torch 2.13, CPU) computed wrong q/k/v gradients
     # when it fused the torch expression of a three-branch gate whose gates need grad (an
     # NSAAttention layer); aot_eager and the op were right (tests/test_compile.py)
-    return ops.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    o = ops.gate_combine(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    if on_block_idx is not None:
+        on_block_idx(block_idx)
+    return o

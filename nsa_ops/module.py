@@ -10,9 +10,10 @@ from torch import Tensor, nn
 from . import distributed, reference, routing
 from .cache import NSACache
 from .compression import PhiMLP
-from .config import NSAConfig
+from .config import BRANCHES, NSAConfig
 from .decode import decode_attention
 from .functional import nsa_attention
+from .stats import LayerStats
 from . import validation as check
 
 
@@ -72,7 +73,10 @@ class NSAAttention(AttentionProjections):
     RoPE rotates q and k before phi, so compressed keys are pooled from rotated keys. The gate MLP
     reads x and yields one gate per query head and branch; its last layer starts at zero, so the
     gates start at act(0): 0.5 each (sigmoid) or 1/3 each (softmax over the 3 branches).
+    ``config.force_branch`` ("cmp" | "sel" | "win"), a diagnostic for ablations, zeroes the
+    other two gates. `record_stats` turns on gate and selection statistics.
     """
+    _stats: Optional[LayerStats] = None
 
     def __init__(self, config: NSAConfig):
         super().__init__(config)
@@ -110,7 +114,26 @@ class NSAAttention(AttentionProjections):
         """(g_cmp, g_slc, g_win), each [B,T,HQ], activated."""
         g = self.gate(x).unflatten(-1, (self.config.num_heads, 3))
         g = torch.sigmoid(g) if self.config.gate_act == "sigmoid" else torch.softmax(g, -1)
+        forced = self.config.force_branch
+        if forced is not None:
+            keep = torch.tensor([b == forced for b in BRANCHES], dtype=g.dtype, device=g.device)
+            g = g * keep
+        if self._stats is not None:
+            self._stats.add_gates(g.unbind(-1))
         return g.unbind(-1)
+
+    def record_stats(self, enabled: bool = True, max_distance: int = 64) -> None:
+        """Start (from zero) or stop recording gate statistics (every path) and selected-block
+        distances (prefill without context parallelism): on-device sums, no host sync in the
+        step. Off by default, and then nothing is computed. `stats()` reads them."""
+        self._stats = LayerStats(max_distance, self.q_proj.weight.device) if enabled else None
+
+    def stats(self) -> dict:
+        """{"gates": {branch: (mean, std)}, "distance": counts per block distance, the last bin
+        every distance >= max_distance} since `record_stats` (reads the device: a host sync)."""
+        if self._stats is None:
+            raise ValueError("stats: call record_stats() first, nothing is being recorded")
+        return self._stats.summary()
 
     def _check_positions(self, end: int) -> None:
         limit = self.config.max_position
@@ -153,7 +176,12 @@ class NSAAttention(AttentionProjections):
                 elif check._values_readable(cu_seqlens):
                     self._check_positions(int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
             q, k, v = self._qkv(x, pos)
-            o = nsa_attention(q, k, v, *self.gates(x), cu_seqlens=cu_seqlens, **geometry)
+            record = None
+            if self._stats is not None:
+                stats = self._stats
+                record = lambda idx: stats.add_selection(idx, pos, c.sel_block)  # noqa: E731
+            o = nsa_attention(q, k, v, *self.gates(x), cu_seqlens=cu_seqlens, **geometry,
+                              on_block_idx=record)
         else:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens must be None when decoding with a cache "

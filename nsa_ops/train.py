@@ -80,6 +80,7 @@ class Preset:
     weight_decay: float = 0.1
     mlp_ratio: int = 4
     bf16: bool = False  # autocast, honoured on CUDA only
+    force_branch: Optional[str] = None  # NSAConfig.force_branch: an ablation of NSA's branches
 
     @property
     def vocab_size(self) -> int:
@@ -95,7 +96,8 @@ class Preset:
                          num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim,
                          head_dim_v=self.head_dim, block_len=self.block_len,
                          block_stride=self.block_stride, sel_block=self.sel_block,
-                         num_sel=self.num_sel, window=self.window, phi=self.phi)
+                         num_sel=self.num_sel, window=self.window, phi=self.phi,
+                         force_branch=self.force_branch)
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that cannot work."""
@@ -588,7 +590,12 @@ def main(argv=None) -> int:
     parser.add_argument("--context-parallel", action="store_true",
                         help="under torchrun: the ranks split each sequence's tokens, not the "
                              "batch's rows")
+    parser.add_argument("--force-branch", choices=("cmp", "sel", "win"), default=None,
+                        help="ablation: NSA keeps only this branch (NSAConfig.force_branch)")
     args = parser.parse_args(argv)
+    if args.force_branch is not None:
+        args.out = args.out or f"bench/results/train_{args.preset}_{args.force_branch}"
+        args.preset = dataclasses.replace(PRESETS[args.preset], force_branch=args.force_branch)
     try:
         check_launch(resolve_preset(args.preset, args.steps), args.device, args.context_parallel)
         _check_seed(args.seed)
