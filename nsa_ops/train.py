@@ -1,6 +1,7 @@
 """Training showcase: a small NSA language model vs a dense-attention baseline.
 
-    python -m nsa_ops.train [--preset cpu|gpu] [--steps N] [--device DEV] [--out DIR] [--seed S]
+    python -m nsa_ops.train [--preset cpu|gpu|text_cpu|text_gpu|text_gpu_8k] [--steps N]
+                            [--device DEV] [--out DIR] [--seed S] [--force-branch cmp|sel|win]
     torchrun --nproc_per_node N -m nsa_ops.train [--context-parallel] [...]
 
 Task: multi-query associative recall. A long context of blank tokens holds num_facts "fact"
@@ -9,6 +10,11 @@ queries, each a key followed by its fact. Every fact lies farther back than the 
 window of every query, so NSA can only recall it through the compressed and selected branches.
 Training minimises the cross-entropy of the answers (the fact after each query key): every
 other token is a blank or a random draw, so only the answers measure recall.
+
+Task "text" (the text_* presets): byte-level language modelling of the Python standard library's
+sources (every CPython ships them, so nothing is downloaded); every tenth module, by name, is the
+held-out eval split. The loss is the mean cross-entropy of every next byte, "answer acc" the
+next-byte accuracy.
 
 NSA and dense attention share everything else: data order, the initial weights of all layers
 they have in common, AdamW with linear warmup and cosine decay, steps. Writes train_loss.csv and
@@ -25,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import platform
 import sys
+import sysconfig
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -46,6 +54,7 @@ from .module import AttentionProjections, NSAAttention
 from .results import commit, new_figure, save_figure, write_csv
 
 MODELS = ("nsa", "dense")
+TASKS = ("recall", "text")
 CSV_FIELDS = ("step", "model", "train_loss", "eval_loss", "eval_answer_acc", "elapsed_s")
 BLANK = 0
 # keeps the eval batch out of the training stream whatever the seed
@@ -81,10 +90,18 @@ class Preset:
     mlp_ratio: int = 4
     bf16: bool = False  # autocast, honoured on CUDA only
     force_branch: Optional[str] = None  # NSAConfig.force_branch: an ablation of NSA's branches
+    task: str = "recall"  # or "text": the recall fields (keys, values, facts, queries) unused
 
     @property
     def vocab_size(self) -> int:
+        if self.task == "text":
+            return 256
         return 1 + self.num_keys * (1 + self.num_values)
+
+    @property
+    def chance(self) -> float:
+        """The accuracy of guessing: one value of num_values, or one byte of 256."""
+        return 1 / (256 if self.task == "text" else self.num_values)
 
     @property
     def context_len(self) -> int:
@@ -110,6 +127,13 @@ class Preset:
             raise ValueError(f"Preset.lr must be positive, got {self.lr!r}")
         if not self.weight_decay >= 0:
             raise ValueError(f"Preset.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"Preset.task must be one of {TASKS}, got {self.task!r}")
+        if self.task == "recall":
+            self._validate_recall()
+        self.nsa_config()
+
+    def _validate_recall(self) -> None:
         if self.num_queries > self.num_facts:
             raise ValueError(f"Preset.num_queries must be <= num_facts={self.num_facts}, got "
                              f"{self.num_queries}")
@@ -120,7 +144,6 @@ class Preset:
             raise ValueError(f"Preset.num_facts={self.num_facts} facts do not fit before the "
                              f"window: seq_len={self.seq_len} leaves "
                              f"{self.context_len - self.window} positions")
-        self.nsa_config()
 
 
 # cpu: each query sees the last w=32 tokens, n=6 selected blocks of 16 (block 0 and the two
@@ -142,6 +165,22 @@ PRESETS = {
                   num_facts=12, num_queries=12, lr=1e-3, warmup=100, eval_every=100,
                   eval_batch_size=64, block_len=32, block_stride=16, sel_block=64, num_sel=16,
                   window=512, phi="mlp", bf16=True),
+    # text: byte-level LM; the recall fields are unused (1s)
+    "text_cpu": Preset(seq_len=256, batch_size=16, steps=300, num_layers=2, hidden_size=64,
+                       num_heads=2, num_kv_heads=1, head_dim=32, num_keys=1, num_values=1,
+                       num_facts=1, num_queries=1, lr=3e-3, warmup=20, eval_every=25,
+                       eval_batch_size=32, block_len=16, block_stride=8, sel_block=16,
+                       num_sel=6, window=32, phi="mlp", task="text"),
+    "text_gpu": Preset(seq_len=4096, batch_size=8, steps=600, num_layers=4, hidden_size=512,
+                       num_heads=8, num_kv_heads=2, head_dim=64, num_keys=1, num_values=1,
+                       num_facts=1, num_queries=1, lr=1e-3, warmup=50, eval_every=50,
+                       eval_batch_size=16, block_len=32, block_stride=16, sel_block=64,
+                       num_sel=16, window=512, phi="mlp", bf16=True, task="text"),
+    "text_gpu_8k": Preset(seq_len=8192, batch_size=4, steps=600, num_layers=4, hidden_size=512,
+                          num_heads=8, num_kv_heads=2, head_dim=64, num_keys=1, num_values=1,
+                          num_facts=1, num_queries=1, lr=1e-3, warmup=50, eval_every=50,
+                          eval_batch_size=8, block_len=32, block_stride=16, sel_block=64,
+                          num_sel=16, window=512, phi="mlp", bf16=True, task="text"),
 }
 
 
@@ -157,8 +196,29 @@ def _random_subset(generator: torch.Generator, rows: int, n: int, k: int) -> Ten
     return torch.rand(rows, n, generator=generator).argsort(-1)[:, :k]
 
 
-def make_batch(p: Preset, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """One batch: tokens [B, seq_len+1] int64 and answers [B, seq_len] bool.
+@functools.cache
+def text_corpus(split: str) -> Tensor:
+    """uint8 [N]: the Python standard library's top-level modules, every tenth by name for
+    split "eval", the others for "train", joined by newlines."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    chosen = [f for i, f in enumerate(files) if (i % 10 == 0) == (split == "eval")]
+    return torch.frombuffer(bytearray(b"\n".join(f.read_bytes() for f in chosen)),
+                            dtype=torch.uint8)
+
+
+def text_batch(p: Preset, batch_size: int, generator: torch.Generator,
+               split: str) -> tuple[Tensor, Tensor]:
+    """Windows of seq_len + 1 bytes at random offsets of the split; every target is an answer."""
+    corpus = text_corpus(split)
+    starts = torch.randint(0, corpus.numel() - p.seq_len - 1, (batch_size,), generator=generator)
+    tokens = corpus[starts[:, None] + torch.arange(p.seq_len + 1)].long()
+    return tokens, torch.ones(batch_size, p.seq_len, dtype=torch.bool)
+
+
+def make_batch(p: Preset, batch_size: int, generator: torch.Generator,
+               split: str = "train") -> tuple[Tensor, Tensor]:
+    """One batch: tokens [B, seq_len+1] int64 and answers [B, seq_len] bool (task "text": a
+    text_batch of the split; recall draws both splits alike, the seeds keep them apart).
 
     The context is blank except for num_facts fact tokens at random positions before
     context_len - window. The query section is num_queries (key, fact) pairs for distinct
@@ -168,6 +228,8 @@ def make_batch(p: Preset, batch_size: int, generator: torch.Generator) -> tuple[
     One blank token rather than varied filler: with 4 filler tokens the cpu preset's dense
     model had not started to recall after 300 steps; with one, it recalls after ~100.
     """
+    if p.task == "text":
+        return text_batch(p, batch_size, generator, split)
     B, C, P, Q = batch_size, p.context_len, p.num_facts, p.num_queries
     tokens = torch.full((B, p.seq_len + 1), BLANK, dtype=torch.long)
     keys = _random_subset(generator, B, p.num_keys, P)
@@ -438,7 +500,7 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup, p.steps))
     data = torch.Generator().manual_seed(seed)
     eval_batch = make_batch(p, p.eval_batch_size,
-                            torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET))
+                            torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET), "eval")
     progress = _Progress(p.steps, attention, show=ranks.rank == 0)
     rows, running, since, train_s = [], torch.zeros((), device=device), 0, 0.0
     for step in range(1, p.steps + 1):
@@ -496,8 +558,8 @@ def plot(rows: list[dict], path: Path, title: str, chance: float) -> bool:
         acc_ax.plot(steps, [r["eval_answer_acc"] for r in mine], "-", color=color, marker=".",
                     label=name)
     acc_ax.axhline(chance, color="gray", linestyle=":", label="chance")
-    loss_ax.set_ylabel("answer cross-entropy")
-    acc_ax.set_ylabel("eval answer accuracy")
+    loss_ax.set_ylabel("answer cross-entropy (text: per byte)")
+    acc_ax.set_ylabel("eval answer accuracy (text: next byte)")
     acc_ax.set_ylim(-0.02, 1.02)
     for ax in (loss_ax, acc_ax):
         ax.set_xlabel("step")
@@ -559,9 +621,12 @@ def run(preset: Union[str, Preset] = "cpu", steps: Optional[int] = None,
     header = run_header(device, name, ranks)
     if lead:
         print(header)
-        print(f"{p.num_facts} facts ({p.num_keys} keys x {p.num_values} values) in {p.seq_len} "
-              f"tokens, {p.num_queries} queries; {p.num_layers} layers, hidden {p.hidden_size}; "
-              f"{p.steps} steps of {p.batch_size}")
+        task = (f"bytes of the Python standard library, {p.seq_len} per sequence"
+                if p.task == "text" else
+                f"{p.num_facts} facts ({p.num_keys} keys x {p.num_values} values) in "
+                f"{p.seq_len} tokens, {p.num_queries} queries")
+        print(f"{task}; {p.num_layers} layers, hidden {p.hidden_size}; {p.steps} steps of "
+              f"{p.batch_size}")
     start = time.perf_counter()
     rows, params = [], {}
     for attention in MODELS:
@@ -570,7 +635,7 @@ def run(preset: Union[str, Preset] = "cpu", steps: Optional[int] = None,
     wall = time.perf_counter() - start
     if lead:
         write_csv(out / "train_loss.csv", rows, header, CSV_FIELDS)
-        plotted = plot(rows, out / "train_loss.png", header, chance=1 / p.num_values)
+        plotted = plot(rows, out / "train_loss.png", header, chance=p.chance)
         print(summary(rows, params))
         print(f"wall time {wall:.1f}s (both models, with evaluation); wrote "
               f"{out / 'train_loss.csv'}" + (f" and {out / 'train_loss.png'}" if plotted else ""))
