@@ -49,13 +49,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import distributed as cp
+from . import reference
 from .config import NSAConfig
 from .module import AttentionProjections, NSAAttention
 from .results import commit, new_figure, save_figure, write_csv
 
 MODELS = ("nsa", "dense")
 TASKS = ("recall", "text")
-CSV_FIELDS = ("step", "model", "train_loss", "eval_loss", "eval_answer_acc", "elapsed_s")
+CSV_FIELDS = ("step", "model", "train_loss", "eval_loss", "eval_answer_acc", "elapsed_s",
+              "sel_hit", "cmp_mass", "gate_cmp", "gate_sel", "gate_win")
 BLANK = 0
 # keeps the eval batch out of the training stream whatever the seed
 EVAL_SEED_OFFSET = 1_000_003
@@ -457,6 +459,54 @@ def evaluate(model: TinyLM, batch: tuple[Tensor, Tensor], p: Preset, device: tor
     return tuple(total.tolist())
 
 
+@torch.no_grad()
+def recall_diagnostics(model: TinyLM, batch: tuple[Tensor, Tensor], p: Preset,
+                       device: torch.device) -> dict[str, float]:
+    """Why NSA does or does not recall, on the eval batch, averaged over its NSA layers: sel_hit,
+    the fraction of (answer query, KV head) whose selected blocks hold the queried fact;
+    cmp_mass, the compressed attention probability (mean over query heads) on the compressed
+    blocks covering the fact; gate_<branch>, the mean gate of each branch at the answer queries."""
+    tokens, answers = (t.to(device) for t in batch)
+    layers = [m for m in model.modules() if isinstance(m, NSAAttention)]
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, args, out: seen.append(args[0])) for m in layers]
+    model.eval()
+    try:
+        with _autocast(p, device):
+            model(tokens[:, :-1])
+    finally:
+        model.train()
+        for h in hooks:
+            h.remove()
+    B, T = answers.shape
+    rows, cols = answers.nonzero(as_tuple=True)  # [A] answer query positions
+    fact = tokens[rows, cols + 1]
+    fact_pos = (tokens[rows, :p.context_len] == fact[:, None]).float().argmax(1)
+    l, d, lp = p.block_len, p.block_stride, p.sel_block
+    sums = dict.fromkeys(("sel_hit", "cmp_mass", "gate_cmp", "gate_sel", "gate_win"), 0.0)
+    for layer, x in zip(layers, seen):
+        c = layer.config
+        x = x.to(layer.q_proj.weight.dtype)  # autocast may have handed the layer bf16
+        q, k, v = layer._qkv(x, torch.arange(T, device=device))
+        q, k, v = q.float(), k.float(), v.float()
+        k_cmp, v_cmp = layer.phi_k(k, l, d, None), layer.phi_v(v, l, d, None)
+        _, lse = reference.compressed_attention(q, k_cmp, v_cmp, l, d, c.scale)
+        idx = reference.select_blocks(q, k_cmp, lse, l, d, lp, c.num_sel, c.scale)
+        sums["sel_hit"] += (idx[rows, cols] == (fact_pos // lp)[:, None, None]).any(-1) \
+            .float().mean().item()
+        kv = torch.arange(c.num_heads, device=device) // c.group
+        logits = torch.einsum("ahd,ahnd->ahn", q[rows, cols], k_cmp[rows][:, :, kv]
+                              .transpose(1, 2)) * c.scale
+        starts = torch.arange(k_cmp.shape[1], device=device) * d
+        visible = starts + l - 1 <= cols[:, None]
+        covers = (starts <= fact_pos[:, None]) & (fact_pos[:, None] < starts + l) & visible
+        probs = torch.exp(logits - lse[rows, cols][..., None]) * visible[:, None]
+        sums["cmp_mass"] += (probs * covers[:, None]).sum(-1).mean().item()
+        for name, g in zip(("gate_cmp", "gate_sel", "gate_win"), layer.gates(x[rows, cols][:, None])):
+            sums[name] += g.float().mean().item()
+    return {name: total / len(layers) for name, total in sums.items()}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -517,6 +567,8 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int,
             eval_loss, acc = evaluate(model, eval_batch, p, device, ranks)
             row = dict(step=step, model=attention, train_loss=ranks.sum(running).item() / since,
                        eval_loss=eval_loss, eval_answer_acc=acc, elapsed_s=train_s)
+            if attention == "nsa" and p.task == "recall" and ranks.world == 1:
+                row.update(recall_diagnostics(model, eval_batch, p, device))
             rows.append(row)
             running.zero_()
             since = 0

@@ -227,3 +227,17 @@ def test_text_task_reads_held_out_modules_and_trains(tmp_path):
     assert all(math.isfinite(r["eval_loss"]) and r["eval_loss"] < math.log(256) + 1
                for r in rows)
     assert (tmp_path / "train_loss.csv").exists()
+
+
+def test_recall_diagnostics_find_the_fact():
+    """sel_hit / cmp_mass are fractions; a layer whose selection is forced onto every block (n
+    as large as the block count) holds every fact, so sel_hit is 1."""
+    p = dataclasses.replace(MICRO, num_sel=8)  # 64 / 8 = 8 blocks
+    model = train.build_model(p, "nsa", 0)
+    d = train.recall_diagnostics(model, batch(3, p), p, torch.device("cpu"))
+    assert d["sel_hit"] == 1.0
+    assert 0 < d["cmp_mass"] <= 1
+    assert all(0 < d[f"gate_{b}"] < 1 for b in ("cmp", "sel", "win"))
+    d = train.recall_diagnostics(train.build_model(MICRO, "nsa", 0), batch(3), MICRO,
+                                 torch.device("cpu"))
+    assert 0 <= d["sel_hit"] < 1
