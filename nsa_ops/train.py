@@ -92,6 +92,7 @@ class Preset:
     mlp_ratio: int = 4
     bf16: bool = False  # autocast, honoured on CUDA only
     force_branch: Optional[str] = None  # NSAConfig.force_branch: an ablation of NSA's branches
+    gate_act: str = "sigmoid"  # NSAConfig.gate_act
     task: str = "recall"  # or "text": the recall fields (keys, values, facts, queries) unused
 
     @property
@@ -116,7 +117,7 @@ class Preset:
                          head_dim_v=self.head_dim, block_len=self.block_len,
                          block_stride=self.block_stride, sel_block=self.sel_block,
                          num_sel=self.num_sel, window=self.window, phi=self.phi,
-                         force_branch=self.force_branch)
+                         force_branch=self.force_branch, gate_act=self.gate_act)
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that cannot work."""
@@ -709,10 +710,15 @@ def main(argv=None) -> int:
                              "batch's rows")
     parser.add_argument("--force-branch", choices=("cmp", "sel", "win"), default=None,
                         help="ablation: NSA keeps only this branch (NSAConfig.force_branch)")
+    parser.add_argument("--gate-act", choices=("sigmoid", "softmax"), default=None,
+                        help="NSA's gate activation (NSAConfig.gate_act; default: the preset's)")
     args = parser.parse_args(argv)
-    if args.force_branch is not None:
-        args.out = args.out or f"bench/results/train_{args.preset}_{args.force_branch}"
-        args.preset = dataclasses.replace(PRESETS[args.preset], force_branch=args.force_branch)
+    changes = {name: value for name, value in (("force_branch", args.force_branch),
+                                               ("gate_act", args.gate_act)) if value is not None}
+    if changes:
+        suffix = "_".join(changes.values())
+        args.out = args.out or f"bench/results/train_{args.preset}_{suffix}"
+        args.preset = dataclasses.replace(PRESETS[args.preset], **changes)
     try:
         check_launch(resolve_preset(args.preset, args.steps), args.device, args.context_parallel)
         _check_seed(args.seed)
