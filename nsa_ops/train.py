@@ -501,7 +501,8 @@ def recall_diagnostics(model: TinyLM, batch: tuple[Tensor, Tensor], p: Preset,
         starts = torch.arange(k_cmp.shape[1], device=device) * d
         visible = starts + l - 1 <= cols[:, None]
         covers = (starts <= fact_pos[:, None]) & (fact_pos[:, None] < starts + l) & visible
-        probs = torch.exp(logits - lse[rows, cols][..., None]) * visible[:, None]
+        # where, not a product: the logits of blocks a query cannot see may overflow exp
+        probs = torch.where(visible[:, None], torch.exp(logits - lse[rows, cols][..., None]), 0.0)
         sums["cmp_mass"] += (probs * covers[:, None]).sum(-1).mean().item()
         for name, g in zip(("gate_cmp", "gate_sel", "gate_win"), layer.gates(x[rows, cols][:, None])):
             sums[name] += g.float().mean().item()
