@@ -29,11 +29,6 @@ LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # kernels work in base 2 (exp2 / log2)
 _LN2 = tl.constexpr(0.6931471805599453)
 
-# Upper bound on TOK * NBLK_PAD: the fp32 block scores that select_blocks keeps in registers.
-# Measured on an H100 (spec geometry, bf16): at T=128k (NBLK_PAD 2048) 16384 gives 8 tokens per
-# program, 48.8 ms, where 8192 gave 4, 66.2 ms; T=64k keeps its 8 tokens (10.1 ms) either way.
-_SCORE_BUDGET = 16384
-
 
 # --------------------------------------------------------------------------------------------
 # Shared device helpers
@@ -417,12 +412,47 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
 
 
 @triton.jit
-def _score_sequence(acc, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k_ptr, skn,
-                    qk_scale, L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr,
-                    DK: tl.constexpr, DK_PAD: tl.constexpr, TOK: tl.constexpr,
-                    G_PAD: tl.constexpr, SB: tl.constexpr, NBLK_PAD: tl.constexpr,
-                    VARLEN: tl.constexpr, PREC: tl.constexpr):
-    """Adds the scores of the tile's rows that belong to sequence seq_id into acc [TOK, NT, SB]."""
+def _block_keys(score, j, pos, live, SEL: tl.constexpr):
+    """`top_n_keys`'s keys [TOK, SB] of blocks j [SB] for the rows where `live` (-1 elsewhere)."""
+    cur = (pos // SEL)[:, None]
+    jj = j[None, :]
+    allowed = live[:, None] & (jj * SEL <= pos[:, None])
+    forced = allowed & ((jj == 0) | (jj == cur) | (jj == cur - 1))
+    bits = tl.where(forced, float("inf"), score).to(tl.int32, bitcast=True)
+    return tl.where(allowed, (bits.to(tl.int64) << 32) + (2147483647 - jj), -1)
+
+
+@triton.jit
+def _block_scores(it, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, qk_scale,
+                  L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, DK: tl.constexpr,
+                  DK_PAD: tl.constexpr, TOK: tl.constexpr, G_PAD: tl.constexpr,
+                  SB: tl.constexpr, PREC: tl.constexpr):
+    """(scores [TOK, SB] of the selection blocks of tile `it`, the spill its last block owes the
+    next tile's first): `carry` is what the previous tile's last block spilled into this one."""
+    j = it * SB + tl.arange(0, SB)
+    own, spill = _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
+                             L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
+    if L <= SEL:
+        col = tl.arange(0, SB)[None, :]
+        from_left = tl.gather(spill, tl.maximum(col - 1, 0) + tl.zeros([TOK, SB], tl.int32),
+                              axis=1)
+        own += tl.where(col == 0, carry[:, None], from_left)
+        carry = tl.sum(tl.where(col == SB - 1, spill, 0.0), 1)
+    return own, carry
+
+
+@triton.jit
+def _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k_ptr, skn,
+                    pos, live, qk_scale, L: tl.constexpr, STRIDE: tl.constexpr,
+                    SEL: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
+                    TOK: tl.constexpr, G_PAD: tl.constexpr, SB: tl.constexpr,
+                    NSEL_PAD: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+    """best [TOK, NSEL_PAD] with the rows of sequence seq_id (`live` [TOK], at positions `pos`)
+    replaced by their top-n keys, descending.
+
+    A running top-n over tiles of SB blocks: no row ever holds all its block scores, so no
+    tile shape depends on the sequence length. Every allowed block (j * l' <= pos) takes part;
+    the ones past the last visible compressed block score 0."""
     lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
     seq, _ = _token_pos(tok, T, SEQ, POS, VARLEN)
     rvalid = valid & (seq == seq_id)
@@ -433,31 +463,26 @@ def _score_sequence(acc, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k
     else:
         base = 0
         ncmp = NC
-    # selection blocks past the last visible compressed block score 0: stop there
-    R: tl.constexpr = SEL // STRIDE
-    max_vis = tl.max(tl.where(rvalid, nvis, 0), 0)
-    n_blk = tl.where(max_vis > 0, (max_vis + L // STRIDE - 2) // R + 1, 0)
-    slot = tl.arange(0, NBLK_PAD // SB)
-    col = tl.arange(0, SB)[None, :]
-    # the spill of the previous tile's last block, owed to this tile's first
+    n_blk = tl.max(tl.where(live, pos // SEL + 1, 0), 0)
     carry = tl.zeros([TOK], tl.float32)
-    for it in range(0, tl.cdiv(n_blk, SB)):
-        j = it * SB + tl.arange(0, SB)
-        own, spill = _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
-                                 L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
-        if L <= SEL:
-            from_left = tl.gather(spill, tl.maximum(col - 1, 0) + tl.zeros([TOK, SB], tl.int32),
-                                  axis=1)
-            own += tl.where(col == 0, carry[:, None], from_left)
-            carry = tl.sum(tl.where(col == SB - 1, spill, 0.0), 1)
-        acc += tl.where((slot == it)[None, :, None], own[:, None, :], 0.0)
-    return acc
+    own, carry = _block_scores(0, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
+                               qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
+    top = tl.topk(_block_keys(own, tl.arange(0, SB), pos, live, SEL), NSEL_PAD)
+    for it in range(1, tl.cdiv(n_blk, SB)):
+        own, carry = _block_scores(it, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
+                                   qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
+        keys = _block_keys(own, it * SB + tl.arange(0, SB), pos, live, SEL)
+        top = tl.topk(tl.reshape(tl.join(top, tl.topk(keys, NSEL_PAD)), (TOK, 2 * NSEL_PAD)),
+                      NSEL_PAD)
+    return tl.where(live[:, None], top, best)
 
 
 @triton.jit
 def top_n_keys(score, allowed, forced, NSEL_PAD: tl.constexpr, NBLK_PAD: tl.constexpr):
     """The selection rule of `reference.topn_blocks` as keys: (key [..., NBLK_PAD], its NSEL_PAD
-    largest [..., NSEL_PAD], descending), NSEL_PAD <= NBLK_PAD. Prefill and decode share it.
+    largest [..., NSEL_PAD], descending), NSEL_PAD <= NBLK_PAD. Decode ranks all its blocks at
+    once with it; prefill (`_score_sequence`) merges tiles of blocks into a running top-n of the
+    same keys.
 
     Each candidate block j is one int64 key, (score bits << 32) + (2**31 - 1 - j): scores are >= 0
     so their float bits order like the floats, forced blocks carry +inf, and among equal scores
@@ -477,27 +502,13 @@ def key_block(key):
 
 
 @triton.jit
-def _top_n(score, pos, SEL: tl.constexpr, NSEL: tl.constexpr, NSEL_PAD: tl.constexpr,
-           NBLK_PAD: tl.constexpr):
-    """Chosen-block mask [TOK, NBLK_PAD]: keys at or above the n-th largest one (every allowed
-    block when fewer than n are)."""
-    j = tl.arange(0, NBLK_PAD)[None, :]
-    cur = (pos // SEL)[:, None]
-    allowed = j * SEL <= pos[:, None]
-    forced = allowed & ((j == 0) | (j == cur) | (j == cur - 1))
-    key, best = top_n_keys(score, allowed, forced, NSEL_PAD, NBLK_PAD)
-    nth = tl.sum(tl.where(tl.arange(0, NSEL_PAD)[None, :] == NSEL - 1, best, 0), 1)
-    return (key >= nth[:, None]) & (key >= 0)
-
-
-@triton.jit
 def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
                    sqb, sqt, sqh, skb, skn, skh, sob, sot, soh,
                    T, NC, H, G, HQ, qk_scale,
                    L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, NSEL: tl.constexpr,
                    NSEL_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                    TOK: tl.constexpr, G_PAD: tl.constexpr, SB: tl.constexpr,
-                   NBLK_PAD: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                   VARLEN: tl.constexpr, PREC: tl.constexpr):
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
     t0 = tl.program_id(0) * TOK
@@ -507,28 +518,29 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
     lse = _row_stats(LSE + b * T * HQ, tok, hq, HQ, valid)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E
     k_ptr = K + b * skb + kvh * skh
+    t = t0 + tl.arange(0, TOK)
+    seq_t, pos = _token_pos(t, T, SEQ, POS, VARLEN)
 
     # a varlen tile may straddle sequences: score each one with its own block numbering
     seq_first, _ = _token_pos(t0, T, SEQ, POS, VARLEN)
     seq_last, _ = _token_pos(tl.minimum(t0 + TOK, T) - 1, T, SEQ, POS, VARLEN)
-    acc = tl.zeros([TOK, NBLK_PAD // SB, SB], tl.float32)
+    best = tl.full([TOK, NSEL_PAD], -1, tl.int64)
     for seq_id in range(seq_first, seq_last + 1):
-        acc = _score_sequence(acc, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, k_ptr,
-                              skn, qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB,
-                              NBLK_PAD, VARLEN, PREC)
+        best = _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU,
+                               k_ptr, skn, pos, (t < T) & (seq_t == seq_id), qk_scale, L,
+                               STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, NSEL_PAD, VARLEN, PREC)
 
-    t = t0 + tl.arange(0, TOK)
-    _, pos = _token_pos(t, T, SEQ, POS, VARLEN)
-    chosen = _top_n(tl.reshape(acc, (TOK, NBLK_PAD)), pos, SEL, NSEL, NSEL_PAD, NBLK_PAD)
     # ascending output without a sort: a chosen block's slot is its rank among the chosen
-    rank = tl.cumsum(chosen.to(tl.int32), 1) - 1
+    slot = tl.arange(0, NSEL_PAD)
+    chosen = (best >= 0) & (slot < NSEL)[None, :]
+    blocks = key_block(best)
+    below = chosen[:, None, :] & (blocks[:, None, :] < blocks[:, :, None])
+    rank = tl.sum(below.to(tl.int32), 2)
     count = tl.sum(chosen.to(tl.int32), 1)
     out = OUT + b * sob + t[:, None] * sot + kvh * soh
-    j = tl.arange(0, NBLK_PAD)[None, :]
-    tl.store(out + rank, j + tl.zeros_like(rank), mask=chosen & (t < T)[:, None])
-    slot = tl.arange(0, NSEL_PAD)[None, :]
-    empty = (slot >= count[:, None]) & (slot < NSEL) & (t < T)[:, None]
-    tl.store(out + slot, tl.full([TOK, NSEL_PAD], -1, tl.int32), mask=empty)
+    tl.store(out + rank, blocks, mask=chosen & (t < T)[:, None])
+    empty = (slot[None, :] >= count[:, None]) & (slot < NSEL)[None, :] & (t < T)[:, None]
+    tl.store(out + slot[None, :], tl.full([TOK, NSEL_PAD], -1, tl.int32), mask=empty)
 
 
 # --------------------------------------------------------------------------------------------
@@ -627,15 +639,15 @@ def _attn_cfg(kind: str, G: int, tier: int) -> _Cfg:
     return _Cfg(*_rows_cfg(G, rows), block_n, num_warps, num_stages)
 
 
-def _select_cfg(G: int, tier: int, nblk_pad: int, loads_per_step: int
+def _select_cfg(G: int, tier: int, num_sel: int, nblk: int, loads_per_step: int
                 ) -> tuple[int, int, int, dict]:
-    """(TOK, G_PAD, SB, launch): TOK * NBLK_PAD fp32 scores fit the register budget, >= 16 dot
-    rows."""
+    """(TOK, G_PAD, SB, launch): >= 16 dot rows; SB no wider than the sequence's nblk blocks
+    need (short sequences), but >= the padded n (the tile's top-n) and >= 16 (tl.dot)."""
     rows, sb, num_warps, num_stages = _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
-    tok = max(1, min(tok, _SCORE_BUDGET // nblk_pad))
     g_pad = max(g_pad, 16 // tok)
-    return tok, g_pad, min(sb, nblk_pad), dict(num_warps=num_warps, num_stages=num_stages)
+    sb = max(min(sb, pow2(nblk)), pow2(num_sel), 16)
+    return tok, g_pad, sb, dict(num_warps=num_warps, num_stages=num_stages)
 
 
 def _dims(q: Tensor, k: Tensor, v: Optional[Tensor] = None):
@@ -792,20 +804,19 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
         return out
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, seqlen_k=seqlen_k,
                   cu_seqlens_k=cu_seqlens_k)
-    span = key_span(T, NC, block_len, block_stride, seqlen_k, cu_seqlens_k)
-    # (at least NSEL_PAD: the top-n takes the NSEL_PAD largest keys)
-    nblk_pad = pow2(max(triton.cdiv(span, sel_block), num_sel), 16)
+    nblk = triton.cdiv(key_span(T, NC, block_len, block_stride, seqlen_k, cu_seqlens_k),
+                       sel_block)
     # key tiles per step: l'/d, plus the l/d - 1 recomputed ones when l > l' (_score_tile)
     loads = sel_block // block_stride + (block_len // block_stride - 1
                                          if block_len > sel_block else 0)
-    tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), nblk_pad, loads)
+    tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), num_sel, nblk, loads)
     _select_kernel[(triton.cdiv(T, tok), B * H)](
         q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
         T, NC, H, G, HQ, scale * LOG2E,
         L=block_len, STRIDE=block_stride, SEL=sel_block, NSEL=num_sel,
         NSEL_PAD=pow2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
-        SB=sb, NBLK_PAD=nblk_pad, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),
+        SB=sb, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),
         # each step issues `loads` unrolled key loads; pipelining them over 3 stages overflows
         # shared memory (l=32, d=16, l'=64, D=128)
         **launch)
