@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import dot_precision, pow2, unit_last_stride
+from nsa_ops.kernels.utils import dot_precision, launch, pow2, unit_last_stride
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
 LOG2E = 1.4426950408889634
@@ -137,6 +137,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SEQ, POS, CMP_CU,
                 DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
                 G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
                 PREC: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
     tok, head, valid = _query_rows(tl.program_id(0) * TOK, T, G, TOK, G_PAD)
@@ -213,6 +214,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEQ, POS, CMP_CU,
                DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
                G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
                PREC: tl.constexpr):
+    # AOTInductor passes Python floats as fp64
+    scale = tl.cast(scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
     tok, head, valid = _query_rows(tl.program_id(0) * TOK, T, G, TOK, G_PAD)
@@ -298,6 +302,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
     """dk/dv of one key tile from one split of the tokens viewing it. ORDERED (the deterministic
     mode, kernels/ordered.py): a 1-D grid of tickets, split fastest, and the splits of a key tile
     add in split order instead of atomically."""
+    # AOTInductor passes Python floats as fp64
+    scale = tl.cast(scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     if ORDERED:
         ticket = ordered.take_ticket(SYNC)
         split = ticket % NSPLIT
@@ -509,6 +516,7 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
                    NSEL_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                    TOK: tl.constexpr, G_PAD: tl.constexpr, SB: tl.constexpr,
                    VARLEN: tl.constexpr, PREC: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
     t0 = tl.program_id(0) * TOK
@@ -639,14 +647,15 @@ def _attn_cfg(kind: str, G: int, tier: int) -> _Cfg:
     return _Cfg(*_rows_cfg(G, rows), block_n, num_warps, num_stages)
 
 
-def _select_cfg(G: int, tier: int, num_sel: int, nblk: int, loads_per_step: int
+def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_step: int
                 ) -> tuple[int, int, int, dict]:
-    """(TOK, G_PAD, SB, launch): >= 16 dot rows; SB no wider than the sequence's nblk blocks
-    need (short sequences), but >= the padded n (the tile's top-n) and >= 16 (tl.dot)."""
+    """(TOK, G_PAD, SB, launch options): >= 16 dot rows; SB no wider than the nblk blocks
+    need (short sequences), but >= the padded n (the tile's top-n) and >= 16 (tl.dot). nblk None
+    (a symbolic length): the table's SB, which serves every length."""
     rows, sb, num_warps, num_stages = _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
     g_pad = max(g_pad, 16 // tok)
-    sb = max(min(sb, pow2(nblk)), pow2(num_sel), 16)
+    sb = max(sb if nblk is None else min(sb, pow2(nblk)), pow2(num_sel), 16)
     return tok, g_pad, sb, dict(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -697,7 +706,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device,
                   seqlen_k=seqlen_k, cu_seqlens_k=cu_seqlens_k)
     cfg = _attn_cfg("fwd", G, _tier(q.dtype, DK, DV))
-    _fwd_kernel[(triton.cdiv(T, cfg.tok), B * H)](
+    launch(_fwd_kernel)[(triton.cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, o, lse, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(o, 0, 1, 2),
         T, NC, H, G, HQ, scale * LOG2E,
@@ -713,7 +722,7 @@ def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=o.device)
     block_r = max(16, 4096 // _pad(DV))
     dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
-    _delta_kernel[(triton.cdiv(T * HQ, block_r), B)](
+    launch(_delta_kernel)[(triton.cdiv(T * HQ, block_r), B)](
         o, do, dlse, delta, *_s(o, 0, 1, 2), *_s(do, 0, 1, 2), T, HQ,
         DV=DV, DV_PAD=_pad(DV), BLOCK_R=block_r, HAS_DLSE=dlse is not None)
     return delta
@@ -742,7 +751,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
                   DV_PAD=_pad(DV), VARLEN=lay.varlen, PREC=dot_precision(q.dtype))
     tier = _tier(q.dtype, DK, DV)
     cfg = _attn_cfg("dq", G, tier)
-    _dq_kernel[(triton.cdiv(T, cfg.tok), B * H)](
+    launch(_dq_kernel)[(triton.cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, do, lse, delta, dq, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
         *_s(dq, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
@@ -760,7 +769,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
         grid = (key_tiles, B * H, nsplit)
         ordered_adds = nsplit > 1 and torch.are_deterministic_algorithms_enabled()
         sync = ordered.sync_buffer(key_tiles * B * H * nsplit, q.device) if ordered_adds else dk
-        _dkdv_kernel[(key_tiles * B * H * nsplit,) if ordered_adds else grid](
+        launch(_dkdv_kernel)[(key_tiles * B * H * nsplit,) if ordered_adds else grid](
             q, k_cmp, v_cmp, do, lse, delta, dk_acc, dv_acc, lay.seq, lay.pos, lay.cmp_cu,
             lay.key_seq, lay.key_idx, lay.cu, lay.view_start, sync,
             *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
@@ -782,11 +791,13 @@ def _dkdv_splits(programs: int, T: int, tok: int, device) -> int:
     four waves; each split adds its partial sums with fp32 atomics, or in split order under
     torch.use_deterministic_algorithms(True).
     """
-    if device.type != "cuda":
+    if device.type != "cuda" or not isinstance(programs, int):
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(4 * sms, programs)
-    return max(1, min(want, triton.cdiv(T, 4 * tok), 64))
+    want = max(1, min(triton.cdiv(4 * sms, programs), 64))
+    # a symbolic T (dynamic-length trace) must not pick a grid dimension: splits past the query
+    # tokens are empty programs, never wrong ones
+    return min(want, triton.cdiv(T, 4 * tok)) if isinstance(T, int) else want
 
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
@@ -804,13 +815,14 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
         return out
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, seqlen_k=seqlen_k,
                   cu_seqlens_k=cu_seqlens_k)
-    nblk = triton.cdiv(key_span(T, NC, block_len, block_stride, seqlen_k, cu_seqlens_k),
-                       sel_block)
+    span = key_span(T, NC, block_len, block_stride, seqlen_k, cu_seqlens_k)
+    # a dynamic-length trace (AOTInductor) has a symbolic span: no constexpr may depend on it
+    nblk = triton.cdiv(span, sel_block) if isinstance(span, int) else None
     # key tiles per step: l'/d, plus the l/d - 1 recomputed ones when l > l' (_score_tile)
     loads = sel_block // block_stride + (block_len // block_stride - 1
                                          if block_len > sel_block else 0)
-    tok, g_pad, sb, launch = _select_cfg(G, _tier(q.dtype, DK), num_sel, nblk, loads)
-    _select_kernel[(triton.cdiv(T, tok), B * H)](
+    tok, g_pad, sb, warps_stages = _select_cfg(G, _tier(q.dtype, DK), num_sel, nblk, loads)
+    launch(_select_kernel)[(triton.cdiv(T, tok), B * H)](
         q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
         T, NC, H, G, HQ, scale * LOG2E,
@@ -819,5 +831,5 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
         SB=sb, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),
         # each step issues `loads` unrolled key loads; pipelining them over 3 stages overflows
         # shared memory (l=32, d=16, l'=64, D=128)
-        **launch)
+        **warps_stages)
     return out

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.kernels.utils import pow2
+from nsa_ops.kernels.utils import launch, pow2
 
 # Rows (tokens x heads) per program: 32 rows of 128 values is 8 KB per input, enough loads in
 # flight to stream at HBM speed.
@@ -118,8 +118,9 @@ def gate_combine_fwd(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cm
         return out
     outs, rows = _pointers(branches, gates)
     programs, meta = _launch(out)
-    _fwd_kernel[(programs,)](*outs, *(g for g, _ in rows), out, out.numel() // out.shape[-1],
-                             *(s for _, s in rows), HAS_WIN=o_win is not None, **meta)
+    launch(_fwd_kernel)[(programs,)](*outs, *(g for g, _ in rows), out,
+                                     out.numel() // out.shape[-1], *(s for _, s in rows),
+                                     HAS_WIN=o_win is not None, **meta)
     return out
 
 
@@ -135,10 +136,10 @@ def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[T
     if do.numel() > 0:
         outs, rows = _pointers(branches, gates)
         programs, meta = _launch(do)
-        _bwd_kernel[(programs,)](do.contiguous(), *outs, *(g for g, _ in rows),
-                                 *(d_o + d_o[:3 - len(d_o)]), *(d_g + d_g[:3 - len(d_g)]),
-                                 do.numel() // do.shape[-1], *(s for _, s in rows),
-                                 GATE_GRADS=gate_grads, HAS_WIN=o_win is not None, **meta)
+        launch(_bwd_kernel)[(programs,)](
+            do.contiguous(), *outs, *(g for g, _ in rows), *(d_o + d_o[:3 - len(d_o)]),
+            *(d_g + d_g[:3 - len(d_g)]), do.numel() // do.shape[-1], *(s for _, s in rows),
+            GATE_GRADS=gate_grads, HAS_WIN=o_win is not None, **meta)
     d_g = [x.to(g.dtype) for x, g in zip(d_g, gates)]
     if o_win is None:
         d_o.append(do.new_empty(0))

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import dot_precision, pow2, unit_last_stride
+from nsa_ops.kernels.utils import dot_precision, launch, pow2, unit_last_stride
 from nsa_ops.reference import distinct_slots, query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -213,6 +213,7 @@ def _fwd_kernel(q, k, v, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                 BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
                 PREC: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
     # int64: head offsets of head-major inputs (stride T * D) pass 2**31 at long T
@@ -235,6 +236,9 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, cu_q, cu_k, OFF, NSEQ
                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
                HAS_DLSE: tl.constexpr, PREC: tl.constexpr):
     """dq of one (token, group); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass."""
+    # AOTInductor passes Python floats as fp64
+    scale = tl.cast(scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
     # int64: head offsets of head-major inputs (stride T * D) pass 2**31 at long T
@@ -294,6 +298,9 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync
     deterministic mode, kernels/ordered.py): a 1-D grid of tickets, chunk-major, and the chunks of
     one block add into dk/dv in chunk order instead of atomically.
     """
+    # AOTInductor passes Python floats as fp64
+    scale = tl.cast(scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     NT: tl.constexpr = (SEL + BN - 1) // BN
     if ORDERED:
         ticket = ordered.take_ticket(sync)
@@ -521,7 +528,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
-    _fwd_kernel[(T, B * H)](
+    launch(_fwd_kernel)[(T, B * H)](
         q, k, v, o, lse, bidx, *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         T, n, scale * math.log2(math.e), IS_VARLEN=queries.varlen,
@@ -562,7 +569,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     prec = dot_precision(q.dtype)
-    _dq_kernel[(T, B * H)](
+    launch(_dq_kernel)[(T, B * H)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, bidx,
         *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
@@ -578,7 +585,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     grid = (chunks.shape[0], triton.cdiv(sel_block, bn))
     ordered_adds = torch.are_deterministic_algorithms_enabled()
     sync = ordered.sync_buffer(grid[0] * grid[1], q.device) if ordered_adds else bidx
-    _dkdv_kernel[(grid[0] * grid[1],) if ordered_adds else grid](
+    launch(_dkdv_kernel)[(grid[0] * grid[1],) if ordered_adds else grid](
         q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, Tk, scale, scale * math.log2(math.e),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 def pow2(x: int, lo: int = 1) -> int:
@@ -22,3 +23,10 @@ def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision: fp32 inputs get true fp32 dots (no tf32), so the kernels match
     the reference to ~1e-6; 16-bit inputs ignore the setting."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch(kernel):
+    """`kernel`, or its torch.library.wrap_triton form while a torch dispatch mode traces the op
+    (AOTInductor decomposes the ops into their kernels, nsa_ops.ops): the launch then becomes a
+    graph node Inductor compiles into the package. Eager launches skip the wrapper's dispatch."""
+    return torch.library.wrap_triton(kernel) if is_in_torch_dispatch_mode() else kernel

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops import routing
-from nsa_ops.kernels.utils import dot_precision, pow2, unit_last_stride
+from nsa_ops.kernels.utils import dot_precision, launch, pow2, unit_last_stride
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -94,6 +94,7 @@ def _fwd_kernel(Q, K, V, O, LSE, START, KEYPOS,
                 T, TK, H, G, W, qk_scale,
                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     r0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
     kvh = tl.program_id(1) % H
@@ -163,6 +164,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr):
     """dK, dV of one key tile, summed over all G query heads of its group (no atomics)."""
+    # AOTInductor passes Python floats as fp64
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     n0 = tl.program_id(0) * BLOCK_N
     b = tl.program_id(1) // H
     kvh = tl.program_id(1) % H
@@ -221,6 +225,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, DQP,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PRECISION: tl.constexpr):
     """dQ of one row tile (tokens x the G heads of one KV head)."""
+    # AOTInductor passes Python floats as fp64
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    scale = tl.cast(scale, tl.float32)
     r0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
     kvh = tl.program_id(1) % H
@@ -320,9 +327,10 @@ def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None):
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     meta = _kernel_meta(q, Dk, Dv, backward=False)
     grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
-    _fwd_kernel[grid](q, k, v, o, lse, *_positions(q, k, cu_seqlens, cu_seqlens_k),
-                      *_strides(q, k, v, o), T, Tk, H, HQ // H, min(window, Tk), scale * _LOG2E,
-                      **meta)
+    # sym_min: a dynamic-length trace (AOTInductor) keeps the clamp symbolic, no guard on Tk
+    launch(_fwd_kernel)[grid](q, k, v, o, lse, *_positions(q, k, cu_seqlens, cu_seqlens_k),
+                              *_strides(q, k, v, o), T, Tk, H, HQ // H, torch.sym_min(window, Tk),
+                              scale * _LOG2E, **meta)
     return o, lse
 
 
@@ -334,7 +342,7 @@ def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
     block_dv = pow2(Dv, 16)
     block_r = max(16, 4096 // block_dv)  # ~4K elements per operand tile
     dlse_arg = delta if dlse is None else dlse.to(torch.float32).contiguous()  # unread when absent
-    _delta_kernel[(triton.cdiv(rows, block_r),)](
+    launch(_delta_kernel)[(triton.cdiv(rows, block_r),)](
         o, do, dlse_arg, delta, rows, DV=Dv, BLOCK_R=block_r, BLOCK_DV=block_dv,
         HAS_DLSE=dlse is not None)
     return delta
@@ -359,13 +367,13 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     starts, keypos = _positions(q, k, cu_seqlens, cu_seqlens_k)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     meta = _kernel_meta(q, Dk, Dv, backward=True)
-    w = min(window, Tk)
+    w = torch.sym_min(window, Tk)
     shared = (T, Tk, H, G, w, scale * _LOG2E, scale)
     spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"])
-    _bwd_dkdv_kernel[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
+    launch(_bwd_dkdv_kernel)[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
         q, k, v, do, lse, delta, starts, keypos, spans, dk, dv, *_strides(q, k, v, do, dk, dv),
         *shared, **meta)
-    _bwd_dq_kernel[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
+    launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, starts, keypos, dq, *_strides(q, k, v, do, dq), *shared, **meta)
     return dq, dk, dv
 

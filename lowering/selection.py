@@ -203,8 +203,11 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
     HQ, Dk, H, Dv, n = (V.graph.sizevars.guard_int(d) for d in (
         q.get_size()[2], q.get_size()[3], k.get_size()[2], v.get_size()[3],
         block_idx.get_size()[3]))
+    seqlen = V.graph.sizevars.size_hint(T)
+    if V.aot_compilation and getattr(T, "free_symbols", None):
+        seqlen = None  # symbolic, as the op's AOTInductor decomposition routes it (nsa_ops.ops)
     x = routing.Inputs("cuda", torch.cuda.get_device_capability(device), q.get_dtype(), Dk, Dv,
-                       V.graph.sizevars.size_hint(T), cu_q is not None, offset=offset)
+                       seqlen, cu_q is not None, offset=offset)
     impl = routing.choose(_OP, x).impl
     if impl not in ("triton", "packed_sdpa"):
         return fallback()
@@ -234,8 +237,8 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
                 call_sizes=[B, T, HQ, Dk], num_stages=num_stages, num_warps=num_warps,
                 NSLOTS=n, QK_SCALE=scale * _LOG2E, IS_VARLEN=bool(cus), **constants)
     # the extern choice calls packed SDPA at one fixed length; packed batches reach it through
-    # the opaque op, which routes at run time
-    if not cus and routing.route(_OP, "packed_sdpa").refuse(x) is None:
+    # the opaque op, which routes at run time. An AOTInductor package has no Python to call it.
+    if not cus and not V.aot_compilation and routing.route(_OP, "packed_sdpa").refuse(x) is None:
         api.packed.maybe_append_choice(choices, input_nodes=inputs, layout=layout,
                                        sel_block=sel_block, scale=scale)
     if not choices:

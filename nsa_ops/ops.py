@@ -8,10 +8,14 @@ Backward ops are ops too, so compiled and exported backward graphs keep them opa
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
 from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.library import custom_op
 
 from . import observe, routing
@@ -383,3 +387,54 @@ def _backward_gate(ctx, do):
 
 
 gate_combine.register_autograd(_backward_gate, setup_context=_setup_gate)
+
+
+# ---- AOTInductor: the ops as their kernels -----------------------------------------------------
+#
+# A package AOTInductor builds runs without Python, so an opaque call of a Python op cannot be in
+# it. While it compiles (only then: torch.compile keeps the ops opaque, routing at run time, and
+# export keeps them as ops in the graph), each CUDA op is traced through its body instead, as
+# torch.library.triton_op does: validation, the routing table's choice, then the chosen
+# implementation, whose Triton launches (kernels/utils.launch) and aten calls become graph nodes
+# Inductor compiles into the package. The selection forward stays an op where the Inductor
+# lowering compiles it into its own template.
+
+def _aot_compiling() -> bool:
+    virtualized = sys.modules.get("torch._inductor.virtualized")
+    return virtualized is not None and virtualized.V.aot_compilation
+
+
+def _lowered_selection(args, kwargs) -> bool:
+    """Whether the Inductor lowering compiles this nsa.selection_attention into its template."""
+    from . import lowering
+    if not lowering.registered():
+        return False
+    bound = inspect.signature(selection_attention._init_fn).bind(*args, **kwargs)
+    a = bound.arguments
+    cu_q, cu_k = check.seqlens_pair(a.get("cu_seqlens"), a.get("cu_seqlens_q"),
+                                    a.get("cu_seqlens_k"))
+    _, offset = _keys(a["q"], a["k"].shape[1], cu_k)
+    return _route("selection_attention", a["q"], a["v"], cu_q, offset).impl == "triton"
+
+
+def _traced_for_aoti(op_def, lowered=lambda args, kwargs: False) -> None:
+    body = op_def._init_fn
+
+    def rule(mode, op, types, args, kwargs):
+        on_cuda = any(isinstance(a, Tensor) and a.device.type == "cuda" for a in args)
+        if not (on_cuda and _aot_compiling()) or lowered(args, kwargs):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        if any(t is not Tensor and not issubclass(t, (FakeTensor, FunctionalTensor))
+               for t in types):
+            return NotImplemented
+        with mode:
+            return body(*args, **kwargs)
+
+    op_def.register_torch_dispatch(FunctionalTensorMode, rule)
+
+
+for _op in (compressed_attention, compressed_attention_backward, select_blocks,
+            selection_attention_backward, sliding_window_attention,
+            sliding_window_attention_backward, gate_combine, gate_combine_backward):
+    _traced_for_aoti(_op)
+_traced_for_aoti(selection_attention, lowered=_lowered_selection)

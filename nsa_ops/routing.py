@@ -62,7 +62,9 @@ class Inputs:
     dtype: torch.dtype
     head_dim_qk: int
     head_dim_v: int
-    seqlen: int  # query rows per sequence: T for the prefill ops, Tq for decode
+    # query rows per sequence: T for the prefill ops, Tq for decode; None when symbolic (a
+    # dynamic-length trace: AOTInductor decomposing the ops), where no row may depend on it
+    seqlen: Optional[int]
     varlen: bool = False
     decode: Optional[DecodeGeometry] = None
     compressed: Optional[CompressedGeometry] = None
@@ -74,7 +76,9 @@ class Inputs:
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False) -> "Inputs":
         cuda = q.device.type == "cuda"
         sm = torch.cuda.get_device_capability(q.device) if cuda else None
-        return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], q.shape[1],
+        T = q.shape[1]
+        seqlen = T if isinstance(T, int) else T.node.maybe_as_int()
+        return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], seqlen,
                       cu_seqlens is not None, offset=offset,
                       capturing=cuda and torch.cuda.is_current_stream_capturing(),
                       deterministic=torch.are_deterministic_algorithms_enabled())
@@ -101,7 +105,7 @@ class Inputs:
             l, d, sel, capacity = self.decode
             parts.append(f"decode Tq={self.seqlen} l={l} d={d} l'={sel} cache {capacity} tokens")
         else:
-            parts.append(f"T={self.seqlen}")
+            parts.append("T symbolic" if self.seqlen is None else f"T={self.seqlen}")
         if self.compressed:
             parts.append(f"l={self.compressed.block_len} d={self.compressed.block_stride}")
         flags = (("varlen", self.varlen), ("queries at an offset", self.offset),
@@ -392,7 +396,8 @@ def _selection_kernel_preferred(x: Inputs) -> Optional[str]:
         tuned = ", ".join(map(_sm_name, thresholds().sms("selection_min_seqlen")))
         return f"tuned for {tuned}, not {sm}: packed SDPA serves it (force to override)"
     min_len, source = entry
-    if x.seqlen < min_len:
+    # a symbolic T: the kernel, which serves every length
+    if x.seqlen is not None and x.seqlen < min_len:
         return (f"T={x.seqlen} < {_value(min_len)}, the selection_min_seqlen of {_sm_name(x.sm)} "
                 f"({source}): packed SDPA is faster below it")
     return None
@@ -405,6 +410,9 @@ def _residue_views_fit(x: Inputs) -> Optional[str]:
     if x.compressed is None:
         return "no block_len/block_stride given (use Inputs.of_compressed)"
     d = x.compressed.block_stride
+    if x.seqlen is None:
+        return ("T is symbolic (a dynamic-length trace): the residue views need T known to be a "
+                "multiple of block_stride")
     if x.seqlen % d:
         return f"T={x.seqlen} is not a multiple of block_stride d={d} (the residue views need it)"
     return None
