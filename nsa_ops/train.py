@@ -93,6 +93,9 @@ class Preset:
     bf16: bool = False  # autocast, honoured on CUDA only
     force_branch: Optional[str] = None  # NSAConfig.force_branch: an ablation of NSA's branches
     gate_act: str = "sigmoid"  # NSAConfig.gate_act
+    # learning-rate multipliers of NSA's gate MLP and phi MLPs (1: the model's lr)
+    gate_lr_mult: float = 1.0
+    phi_lr_mult: float = 1.0
     task: str = "recall"  # or "text": the recall fields (keys, values, facts, queries) unused
 
     @property
@@ -128,6 +131,9 @@ class Preset:
                 raise ValueError(f"Preset.{f.name} must be a positive int, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"Preset.lr must be positive, got {self.lr!r}")
+        for name in ("gate_lr_mult", "phi_lr_mult"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"Preset.{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.weight_decay >= 0:
             raise ValueError(f"Preset.weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.task not in TASKS:
@@ -320,6 +326,23 @@ def build_model(p: Preset, attention: str, seed: int) -> TinyLM:
     """attention "nsa" or "dense"; equal seeds give equal weights wherever the two coincide."""
     torch.manual_seed(seed)
     return TinyLM(p, attention, seed)
+
+
+def param_groups(model: nn.Module, p: Preset) -> list[dict]:
+    """AdamW groups: NSA's gate MLPs at p.gate_lr_mult x lr, its phi MLPs at p.phi_lr_mult x lr,
+    the rest at lr (empty groups dropped)."""
+    groups = {"gate": [], "phi": [], "rest": []}
+    for layer in model.modules():
+        if isinstance(layer, NSAAttention):
+            groups["gate"] += layer.gate.parameters()
+            for phi in (layer.phi_k, layer.phi_v):
+                if isinstance(phi, nn.Module):
+                    groups["phi"] += phi.parameters()
+    special = {id(t) for t in groups["gate"] + groups["phi"]}
+    groups["rest"] = [t for t in model.parameters() if id(t) not in special]
+    mult = {"gate": p.gate_lr_mult, "phi": p.phi_lr_mult, "rest": 1.0}
+    return [{"params": params, "lr": p.lr * mult[name]} for name, params in groups.items()
+            if params]
 
 
 def answer_sums(logits: Tensor, targets: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
@@ -547,7 +570,7 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int,
     """Train one model; a CSV row per evaluation (train_loss: mean over the steps since the
     previous row)."""
     model = ranks.distribute(build_model(p, attention, seed).to(device))
-    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=p.weight_decay,
+    opt = torch.optim.AdamW(param_groups(model, p), lr=p.lr, weight_decay=p.weight_decay,
                             betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup, p.steps))
     data = torch.Generator().manual_seed(seed)
@@ -713,11 +736,19 @@ def main(argv=None) -> int:
                         help="ablation: NSA keeps only this branch (NSAConfig.force_branch)")
     parser.add_argument("--gate-act", choices=("sigmoid", "softmax"), default=None,
                         help="NSA's gate activation (NSAConfig.gate_act; default: the preset's)")
+    parser.add_argument("--gate-lr-mult", type=float, default=None,
+                        help="learning-rate multiplier of NSA's gate MLP (default: the preset's)")
+    parser.add_argument("--phi-lr-mult", type=float, default=None,
+                        help="learning-rate multiplier of NSA's phi MLPs (default: the preset's)")
     args = parser.parse_args(argv)
     changes = {name: value for name, value in (("force_branch", args.force_branch),
-                                               ("gate_act", args.gate_act)) if value is not None}
+                                               ("gate_act", args.gate_act),
+                                               ("gate_lr_mult", args.gate_lr_mult),
+                                               ("phi_lr_mult", args.phi_lr_mult))
+               if value is not None}
     if changes:
-        suffix = "_".join(changes.values())
+        suffix = "_".join(f"{name.split('_')[0]}lr{value:g}" if name.endswith("mult") else value
+                          for name, value in changes.items())
         args.out = args.out or f"bench/results/train_{args.preset}_{suffix}"
         args.preset = dataclasses.replace(PRESETS[args.preset], **changes)
     try:

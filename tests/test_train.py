@@ -74,6 +74,22 @@ def test_training_on_a_fixed_batch_reduces_the_loss(attention):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def test_lr_split_moves_gate_and_phi_at_their_own_rates():
+    """gate_lr_mult=0 freezes the gate MLPs; phi and the rest take their own learning rates."""
+    p = dataclasses.replace(MICRO, phi="mlp", gate_lr_mult=0.0, phi_lr_mult=3.0)
+    model = train.build_model(p, "nsa", seed=0)
+    groups = train.param_groups(model, p)
+    assert [g["lr"] for g in groups] == [0.0, 3 * p.lr, p.lr]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    before = {name: t.detach().clone() for name, t in model.named_parameters()}
+    opt = torch.optim.AdamW(groups, lr=p.lr)
+    for seed in range(2):
+        train.train_step(model, opt, batch(seed), p, torch.device("cpu"))
+    moved = {name for name, t in model.named_parameters() if not torch.equal(t, before[name])}
+    assert not any(".gate." in name for name in moved), moved
+    assert any(".phi_k." in name for name in moved) and any(".q_proj." in name for name in moved)
+
+
 class OpRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -150,6 +166,7 @@ def test_run_without_matplotlib_still_writes_the_csv(tmp_path, monkeypatch, caps
     (dict(preset=dataclasses.replace(MICRO, hidden_size=0)), "Preset.hidden_size"),
     (dict(preset=dataclasses.replace(MICRO, block_stride=3)), "NSAConfig.block_stride"),
     (dict(preset=MICRO, context_parallel=True), "context_parallel"),
+    (dict(preset=dataclasses.replace(MICRO, gate_lr_mult=-1.0)), "Preset.gate_lr_mult"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name, tmp_path):
     with pytest.raises(ValueError, match=name):
