@@ -56,6 +56,7 @@ from .results import commit, new_figure, save_figure, write_csv
 
 MODELS = ("nsa", "dense")
 TASKS = ("recall", "text")
+WARMUPS = ("short_len", "short_steps", "gate_hold")  # Preset fields where 0 means none
 CSV_FIELDS = ("step", "model", "train_loss", "eval_loss", "eval_answer_acc", "elapsed_s",
               "sel_hit", "cmp_mass", "gate_cmp", "gate_sel", "gate_win")
 BLANK = 0
@@ -96,6 +97,11 @@ class Preset:
     # learning-rate multipliers of NSA's gate MLP and phi MLPs (1: the model's lr)
     gate_lr_mult: float = 1.0
     phi_lr_mult: float = 1.0
+    # warm-ups (0: none): the first short_steps steps train on sequences of short_len tokens (a
+    # length curriculum); the gate MLPs do not learn for the first gate_hold steps
+    short_len: int = 0
+    short_steps: int = 0
+    gate_hold: int = 0
     task: str = "recall"  # or "text": the recall fields (keys, values, facts, queries) unused
 
     @property
@@ -108,6 +114,14 @@ class Preset:
     def chance(self) -> float:
         """The accuracy of guessing: one value of num_values, or one byte of 256."""
         return 1 / (256 if self.task == "text" else self.num_values)
+
+    def short(self) -> "Preset":
+        """This preset at the curriculum's length (short_len)."""
+        return dataclasses.replace(self, seq_len=self.short_len, short_len=0, short_steps=0)
+
+    def at_step(self, step: int) -> "Preset":
+        """The preset whose sequences train step `step` (1-based) draws."""
+        return self.short() if step <= self.short_steps else self
 
     @property
     def context_len(self) -> int:
@@ -126,9 +140,15 @@ class Preset:
         """Raise ValueError naming the first field that cannot work."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            least, kind = (0, "an int >= 0") if f.name in WARMUPS else (1, "a positive int")
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)
-                                    or value <= 0):
-                raise ValueError(f"Preset.{f.name} must be a positive int, got {value!r}")
+                                    or value < least):
+                raise ValueError(f"Preset.{f.name} must be {kind}, got {value!r}")
+        if (self.short_len > 0) != (self.short_steps > 0):
+            raise ValueError(f"Preset.short_len and short_steps go together (both 0, or both "
+                             f"positive), got {self.short_len} and {self.short_steps}")
+        if self.short_len:
+            self.short().validate()
         if not self.lr > 0:
             raise ValueError(f"Preset.lr must be positive, got {self.lr!r}")
         for name in ("gate_lr_mult", "phi_lr_mult"):
@@ -341,8 +361,8 @@ def param_groups(model: nn.Module, p: Preset) -> list[dict]:
     special = {id(t) for t in groups["gate"] + groups["phi"]}
     groups["rest"] = [t for t in model.parameters() if id(t) not in special]
     mult = {"gate": p.gate_lr_mult, "phi": p.phi_lr_mult, "rest": 1.0}
-    return [{"params": params, "lr": p.lr * mult[name]} for name, params in groups.items()
-            if params]
+    return [{"params": params, "lr": p.lr * mult[name], "name": name}
+            for name, params in groups.items() if params]
 
 
 def answer_sums(logits: Tensor, targets: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
@@ -572,7 +592,13 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int,
     model = ranks.distribute(build_model(p, attention, seed).to(device))
     opt = torch.optim.AdamW(param_groups(model, p), lr=p.lr, weight_decay=p.weight_decay,
                             betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, p.warmup, p.steps))
+    schedule = functools.partial(lr_factor, warmup=p.warmup, total=p.steps)
+
+    def gate_schedule(step: int) -> float:
+        return 0.0 if step < p.gate_hold else schedule(step)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, [gate_schedule if g["name"] == "gate" else schedule for g in opt.param_groups])
     data = torch.Generator().manual_seed(seed)
     eval_batch = make_batch(p, p.eval_batch_size,
                             torch.Generator().manual_seed(seed + EVAL_SEED_OFFSET), "eval")
@@ -580,7 +606,8 @@ def train_model(p: Preset, attention: str, device: torch.device, seed: int,
     rows, running, since, train_s = [], torch.zeros((), device=device), 0, 0.0
     for step in range(1, p.steps + 1):
         start = time.perf_counter()
-        running += train_step(model, opt, make_batch(p, p.batch_size, data), p, device, ranks)
+        batch = make_batch(p.at_step(step), p.batch_size, data)
+        running += train_step(model, opt, batch, p, device, ranks)
         sched.step()
         since += 1
         due = step % p.eval_every == 0 or step == p.steps
@@ -740,14 +767,23 @@ def main(argv=None) -> int:
                         help="learning-rate multiplier of NSA's gate MLP (default: the preset's)")
     parser.add_argument("--phi-lr-mult", type=float, default=None,
                         help="learning-rate multiplier of NSA's phi MLPs (default: the preset's)")
+    parser.add_argument("--short-len", type=int, default=None,
+                        help="length curriculum: the first --short-steps steps train on "
+                             "sequences of this many tokens")
+    parser.add_argument("--short-steps", type=int, default=None)
+    parser.add_argument("--gate-hold", type=int, default=None,
+                        help="NSA's gate MLPs do not learn for this many first steps")
     args = parser.parse_args(argv)
     changes = {name: value for name, value in (("force_branch", args.force_branch),
                                                ("gate_act", args.gate_act),
                                                ("gate_lr_mult", args.gate_lr_mult),
-                                               ("phi_lr_mult", args.phi_lr_mult))
+                                               ("phi_lr_mult", args.phi_lr_mult),
+                                               ("short_len", args.short_len),
+                                               ("short_steps", args.short_steps),
+                                               ("gate_hold", args.gate_hold))
                if value is not None}
     if changes:
-        suffix = "_".join(f"{name.split('_')[0]}lr{value:g}" if name.endswith("mult") else value
+        suffix = "_".join(value if isinstance(value, str) else f"{name.replace('_', '')}{value:g}"
                           for name, value in changes.items())
         args.out = args.out or f"bench/results/train_{args.preset}_{suffix}"
         args.preset = dataclasses.replace(PRESETS[args.preset], **changes)

@@ -90,6 +90,26 @@ def test_lr_split_moves_gate_and_phi_at_their_own_rates():
     assert any(".phi_k." in name for name in moved) and any(".q_proj." in name for name in moved)
 
 
+@pytest.mark.parametrize("steps, gate_moves", [(2, False), (3, True)])
+def test_length_curriculum_and_gate_hold(steps, gate_moves, monkeypatch):
+    """The first short_steps batches are short_len tokens long (evaluation stays at seq_len),
+    and the gate MLPs do not move during the first gate_hold steps."""
+    p = dataclasses.replace(MICRO, phi="mlp", steps=steps, short_len=32, short_steps=2,
+                            gate_hold=2)
+    lengths, models = [], []
+    make_batch, build_model = train.make_batch, train.build_model
+    monkeypatch.setattr(train, "make_batch", lambda q, *a, **k: lengths.append(q.seq_len)
+                        or make_batch(q, *a, **k))
+    monkeypatch.setattr(train, "build_model", lambda *a: models.append(build_model(*a))
+                        or models[-1])
+    train.train_model(p, "nsa", torch.device("cpu"), seed=0)
+    assert lengths == [64, 32, 32, 64][:steps + 1]
+    fresh = dict(build_model(p, "nsa", 0).named_parameters())
+    moved = {name for name, t in models[0].named_parameters() if not torch.equal(t, fresh[name])}
+    assert any(".gate." in name for name in moved) == gate_moves, moved
+    assert any(".q_proj." in name for name in moved)
+
+
 class OpRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -167,6 +187,9 @@ def test_run_without_matplotlib_still_writes_the_csv(tmp_path, monkeypatch, caps
     (dict(preset=dataclasses.replace(MICRO, block_stride=3)), "NSAConfig.block_stride"),
     (dict(preset=MICRO, context_parallel=True), "context_parallel"),
     (dict(preset=dataclasses.replace(MICRO, gate_lr_mult=-1.0)), "Preset.gate_lr_mult"),
+    (dict(preset=dataclasses.replace(MICRO, short_len=32)), "Preset.short_len and short_steps"),
+    (dict(preset=dataclasses.replace(MICRO, short_len=20, short_steps=2)), "Preset.num_facts"),
+    (dict(preset=dataclasses.replace(MICRO, gate_hold=-1)), "Preset.gate_hold"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, name, tmp_path):
     with pytest.raises(ValueError, match=name):
