@@ -20,6 +20,7 @@ import geometry
 from nsa_ops import NSAConfig, reference
 from nsa_ops.results import write_csv
 from bench_prefill import run_header
+from selection_floor import selection_loads
 
 
 def median_ms(fn, reps=10):
@@ -93,6 +94,11 @@ def bench_length(cfg: NSAConfig, B: int, T: int, kernels: list[str], rows: list[
                    lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale),
                    lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale),
                    pairs)
+            if B == 1:  # the floor: the same K/V loads with no math (bench/selection_floor.py)
+                scratch = torch.empty(T, cfg.num_kv_heads, cfg.head_dim_qk, device=q.device)
+                idx32 = idx.to(torch.int32)
+                record(f"selection n={n} l'={lp} {selection} loads only",
+                       lambda: selection_loads(k, v, idx32, lp, scratch), None, pairs)
     if "window" in kernels:
         from nsa_ops.kernels import window as W
         for backend in ("aten_fa2", "triton"):

@@ -13,8 +13,9 @@ sys.path.insert(0, str(BENCH))  # the scripts import each other as top-level mod
 
 import geometry  # noqa: E402
 
-# geometry and peers are modules the scripts import, not scripts
-SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in ("geometry", "peers"))
+# modules the scripts import, not scripts
+SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py")
+                 if p.stem not in ("geometry", "peers", "selection_floor"))
 
 
 def parse(argv, batch=1):

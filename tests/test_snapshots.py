@@ -153,8 +153,8 @@ NSAConfig num_heads: NSAConfig.num_heads must be a multiple of num_kv_heads (GQA
     def test_exported_layer_calls(self):
         _, ep = export_module()
         self.assertExpectedInline("\n".join(nsa_ops_called(ep)), """\
+nsa.sliding_window_attention.default
 nsa.compressed_attention.default
 nsa.select_blocks.default
 nsa.selection_attention.default
-nsa.sliding_window_attention.default
 nsa.gate_combine.default""")
