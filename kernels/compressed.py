@@ -453,12 +453,13 @@ def _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, 
                     pos, live, qk_scale, L: tl.constexpr, STRIDE: tl.constexpr,
                     SEL: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                     TOK: tl.constexpr, G_PAD: tl.constexpr, SB: tl.constexpr,
-                    NSEL_PAD: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
+                    MERGE: tl.constexpr, NSEL_PAD: tl.constexpr, VARLEN: tl.constexpr,
+                    PREC: tl.constexpr):
     """best [TOK, NSEL_PAD] with the rows of sequence seq_id (`live` [TOK], at positions `pos`)
     replaced by their top-n keys, descending.
 
-    A running top-n over tiles of SB blocks: no row ever holds all its block scores, so no
-    tile shape depends on the sequence length. Every allowed block (j * l' <= pos) takes part;
+    A running top-n over tiles of SB blocks, merged every MERGE tiles: no row ever holds all
+    its block scores, so no tile shape depends on the sequence length. Every allowed block (j * l' <= pos) takes part;
     the ones past the last visible compressed block score 0."""
     lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
     seq, _ = _token_pos(tok, T, SEQ, POS, VARLEN)
@@ -471,16 +472,33 @@ def _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, 
         base = 0
         ncmp = NC
     n_blk = tl.max(tl.where(live, pos // SEL + 1, 0), 0)
+    n_tiles = tl.cdiv(n_blk, SB)
     carry = tl.zeros([TOK], tl.float32)
-    own, carry = _block_scores(0, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
-                               qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
-    top = tl.topk(_block_keys(own, tl.arange(0, SB), pos, live, SEL), NSEL_PAD)
-    for it in range(1, tl.cdiv(n_blk, SB)):
+    # keys of the last MERGE tiles wait in `pending` (slot it % MERGE); one top-n of them joins
+    # the running top-n: a merge per tile costs more than the tile's own scores at l = d = l'
+    slot = tl.arange(0, MERGE)[None, :, None]
+    pending = tl.full([TOK, MERGE, SB], -1, tl.int64)
+    if MERGE == 1:
+        own, carry = _block_scores(0, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
+                                   qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
+        top = tl.topk(_block_keys(own, tl.arange(0, SB), pos, live, SEL), NSEL_PAD)
+        first_tile = 1
+    else:
+        top = tl.full([TOK, NSEL_PAD], -1, tl.int64)
+        first_tile = 0
+    for it in range(first_tile, n_tiles):
         own, carry = _block_scores(it, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
                                    qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
         keys = _block_keys(own, it * SB + tl.arange(0, SB), pos, live, SEL)
-        top = tl.topk(tl.reshape(tl.join(top, tl.topk(keys, NSEL_PAD)), (TOK, 2 * NSEL_PAD)),
-                      NSEL_PAD)
+        if MERGE == 1:
+            top = tl.topk(tl.reshape(tl.join(top, tl.topk(keys, NSEL_PAD)), (TOK, 2 * NSEL_PAD)),
+                          NSEL_PAD)
+        else:
+            pending = tl.where(slot == it % MERGE, keys[:, None, :], pending)
+            if (it % MERGE == MERGE - 1) | (it == n_tiles - 1):
+                merged = tl.topk(tl.reshape(pending, (TOK, MERGE * SB)), NSEL_PAD)
+                top = tl.topk(tl.reshape(tl.join(top, merged), (TOK, 2 * NSEL_PAD)), NSEL_PAD)
+                pending = tl.full([TOK, MERGE, SB], -1, tl.int64)  # a key must not count twice
     return tl.where(live[:, None], top, best)
 
 
@@ -515,7 +533,7 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
                    L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, NSEL: tl.constexpr,
                    NSEL_PAD: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr,
                    TOK: tl.constexpr, G_PAD: tl.constexpr, SB: tl.constexpr,
-                   VARLEN: tl.constexpr, PREC: tl.constexpr):
+                   MERGE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     b = (tl.program_id(1) // H).to(tl.int64)  # batch offsets can pass 2**31 elements
     kvh = (tl.program_id(1) % H).to(tl.int64)  # head offsets too: head-major stride T * D
@@ -536,7 +554,8 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
     for seq_id in range(seq_first, seq_last + 1):
         best = _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU,
                                k_ptr, skn, pos, (t < T) & (seq_t == seq_id), qk_scale, L,
-                               STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, NSEL_PAD, VARLEN, PREC)
+                               STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, MERGE, NSEL_PAD, VARLEN,
+                               PREC)
 
     # ascending output without a sort: a chosen block's slot is its rank among the chosen
     slot = tl.arange(0, NSEL_PAD)
@@ -617,11 +636,15 @@ _TILES = {
     "dkdv": ((64, 128, 8, 2), (32, 32, 8, 3), (32, 16, 8, 3)),
 }
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
-# `loads` in select_blocks): (query rows, selection blocks scored per step, num_warps, num_stages). Tiers 1 and 2 are
-# not tuned; one stage keeps their unrolled key loads within shared memory.
-_SELECT_TILES = (((64, 64, 4, 2), (128, 64, 8, 2)),
-                 ((64, 32, 8, 1), (64, 32, 8, 1)),
-                 ((32, 16, 8, 1), (32, 16, 8, 1)))
+# `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
+# merge, num_warps, num_stages). Tiers 1 and 2 are not tuned; one stage keeps their unrolled
+# key loads within shared memory. Merging every 8 steps (H100, bf16, D=128, G=16, ms at
+# T = 8k / 64k / 128k; steps per merge 1 -> 8): l=d=l'=64 0.20 / 10.16 / 39.89 -> 0.30 / 6.50 /
+# 22.48 (2, 4 and 16 in between or worse); l=32, d=16, l'=64 0.32 / 11.20 / 42.61 -> 0.42 /
+# 11.27 / 40.51. Sequences with fewer steps than that merge every step (_select_cfg).
+_SELECT_TILES = (((64, 64, 8, 4, 2), (128, 64, 8, 8, 2)),
+                 ((64, 32, 1, 8, 1), (64, 32, 1, 8, 1)),
+                 ((32, 16, 1, 8, 1), (32, 16, 1, 8, 1)))
 # Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16).
 # Backward ms at l=32, d=16 / l=d=64 with the other kernel at its old (64, 64, 8, 3): dq
 # (128, 64, 8, 3) 49.5 / 14.9 vs (64, 64, 8, 3) 62.5 / 18.6 and 5 others 51.3-68.6 / 15.2-19.3;
@@ -648,15 +671,17 @@ def _attn_cfg(kind: str, G: int, tier: int) -> _Cfg:
 
 
 def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_step: int
-                ) -> tuple[int, int, int, dict]:
-    """(TOK, G_PAD, SB, launch options): >= 16 dot rows; SB no wider than the nblk blocks
-    need (short sequences), but >= the padded n (the tile's top-n) and >= 16 (tl.dot). nblk None
-    (a symbolic length): the table's SB, which serves every length."""
-    rows, sb, num_warps, num_stages = _SELECT_TILES[tier][loads_per_step > 1]
+                ) -> tuple[int, int, int, int, dict]:
+    """(TOK, G_PAD, SB, MERGE, launch options): >= 16 dot rows; SB no wider than the nblk
+    blocks need (short sequences), but >= the padded n (the tile's top-n) and >= 16 (tl.dot).
+    nblk None (a symbolic length): the table's SB and MERGE, which serve every length."""
+    rows, sb, merge, num_warps, num_stages = _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
     g_pad = max(g_pad, 16 // tok)
     sb = max(sb if nblk is None else min(sb, pow2(nblk)), pow2(num_sel), 16)
-    return tok, g_pad, sb, dict(num_warps=num_warps, num_stages=num_stages)
+    # a merge every step where the sequence has fewer steps than one merge would gather
+    merge = merge if nblk is None or triton.cdiv(nblk, sb) >= merge else 1
+    return tok, g_pad, sb, merge, dict(num_warps=num_warps, num_stages=num_stages)
 
 
 def _dims(q: Tensor, k: Tensor, v: Optional[Tensor] = None):
@@ -821,14 +846,15 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     # key tiles per step: l'/d, plus the l/d - 1 recomputed ones when l > l' (_score_tile)
     loads = sel_block // block_stride + (block_len // block_stride - 1
                                          if block_len > sel_block else 0)
-    tok, g_pad, sb, warps_stages = _select_cfg(G, _tier(q.dtype, DK), num_sel, nblk, loads)
+    tok, g_pad, sb, merge, warps_stages = _select_cfg(G, _tier(q.dtype, DK), num_sel, nblk,
+                                                      loads)
     launch(_select_kernel)[(triton.cdiv(T, tok), B * H)](
         q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
         T, NC, H, G, HQ, scale * LOG2E,
         L=block_len, STRIDE=block_stride, SEL=sel_block, NSEL=num_sel,
         NSEL_PAD=pow2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
-        SB=sb, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),
+        SB=sb, MERGE=merge, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),
         # each step issues `loads` unrolled key loads; pipelining them over 3 stages overflows
         # shared memory (l=32, d=16, l'=64, D=128)
         **warps_stages)
