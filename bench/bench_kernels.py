@@ -94,7 +94,8 @@ def bench_length(cfg: NSAConfig, B: int, T: int, kernels: list[str], rows: list[
                    lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale),
                    lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale),
                    pairs)
-            if B == 1:  # the floor: the same K/V loads with no math (bench/selection_floor.py)
+            if B == 1 and cfg.head_dim_qk == cfg.head_dim_v:
+                # the floor: the same K/V loads with no math (bench/selection_floor.py)
                 scratch = torch.empty(T, cfg.num_kv_heads, cfg.head_dim_qk, device=q.device)
                 idx32 = idx.to(torch.int32)
                 record(f"selection n={n} l'={lp} {selection} loads only",
