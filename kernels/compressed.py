@@ -474,10 +474,10 @@ def _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, 
     n_blk = tl.max(tl.where(live, pos // SEL + 1, 0), 0)
     n_tiles = tl.cdiv(n_blk, SB)
     carry = tl.zeros([TOK], tl.float32)
-    # keys of the last MERGE tiles wait in `pending` (slot it % MERGE); one top-n of them joins
-    # the running top-n: a merge per tile costs more than the tile's own scores at l = d = l'
+    # the scores of the last MERGE tiles wait in `pending` (slot it % MERGE); their top-n joins
+    # the running top-n once: a merge per tile costs more than the tile's own scores at l = d = l'
     slot = tl.arange(0, MERGE)[None, :, None]
-    pending = tl.full([TOK, MERGE, SB], -1, tl.int64)
+    pending = tl.zeros([TOK, MERGE, SB], tl.float32)
     if MERGE == 1:
         own, carry = _block_scores(0, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
                                    qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
@@ -489,16 +489,19 @@ def _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, 
     for it in range(first_tile, n_tiles):
         own, carry = _block_scores(it, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
                                    qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
-        keys = _block_keys(own, it * SB + tl.arange(0, SB), pos, live, SEL)
         if MERGE == 1:
+            keys = _block_keys(own, it * SB + tl.arange(0, SB), pos, live, SEL)
             top = tl.topk(tl.reshape(tl.join(top, tl.topk(keys, NSEL_PAD)), (TOK, 2 * NSEL_PAD)),
                           NSEL_PAD)
         else:
-            pending = tl.where(slot == it % MERGE, keys[:, None, :], pending)
+            pending = tl.where(slot == it % MERGE, own[:, None, :], pending)
             if (it % MERGE == MERGE - 1) | (it == n_tiles - 1):
-                merged = tl.topk(tl.reshape(pending, (TOK, MERGE * SB)), NSEL_PAD)
-                top = tl.topk(tl.reshape(tl.join(top, merged), (TOK, 2 * NSEL_PAD)), NSEL_PAD)
-                pending = tl.full([TOK, MERGE, SB], -1, tl.int64)  # a key must not count twice
+                # slots past the last tile hold stale scores of blocks j >= n_blk, which no live
+                # row may select: their keys are -1
+                j = (it - it % MERGE) * SB + tl.arange(0, MERGE * SB)
+                keys = _block_keys(tl.reshape(pending, (TOK, MERGE * SB)), j, pos, live, SEL)
+                top = tl.topk(tl.reshape(tl.join(top, tl.topk(keys, NSEL_PAD)),
+                                         (TOK, 2 * NSEL_PAD)), NSEL_PAD)
     return tl.where(live[:, None], top, best)
 
 
@@ -639,9 +642,9 @@ _TILES = {
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
 # merge, num_warps, num_stages). Tiers 1 and 2 are not tuned; one stage keeps their unrolled
 # key loads within shared memory. Merging every 8 steps (H100, bf16, D=128, G=16, ms at
-# T = 8k / 64k / 128k; steps per merge 1 -> 8): l=d=l'=64 0.20 / 10.16 / 39.89 -> 0.30 / 6.50 /
-# 22.48 (2, 4 and 16 in between or worse); l=32, d=16, l'=64 0.32 / 11.20 / 42.61 -> 0.42 /
-# 11.27 / 40.51. Sequences with fewer steps than that merge every step (_select_cfg).
+# T = 8k / 64k / 128k; steps per merge 1 -> 8): l=d=l'=64 0.20 / 10.37 / 40.17 -> 0.20 / 4.68 /
+# 16.07; l=32, d=16, l'=64 0.32 / 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between
+# or worse). Sequences with fewer steps than that merge every step (_select_cfg).
 _SELECT_TILES = (((64, 64, 8, 4, 2), (128, 64, 8, 8, 2)),
                  ((64, 32, 1, 8, 1), (64, 32, 1, 8, 1)),
                  ((32, 16, 1, 8, 1), (32, 16, 1, 8, 1)))

@@ -233,8 +233,8 @@ def test_select_blocks_ties():
 @pytest.mark.parametrize("merge", [2, 4])
 def test_select_blocks_merges_several_tiles(monkeypatch, merge):
     """Three score tiles of 16 blocks (T = 300, l' = 8): merge=2 merges a full pair, then the
-    last tile alone after the pending keys were cleared; merge=4 merges once, part-filled. G = 3
-    pads each token's heads to 4 rows."""
+    last tile beside the first pair's stale scores; merge=4 merges once, part-filled. G = 3 pads
+    each token's heads to 4 rows."""
     monkeypatch.setattr(kc, "_SELECT_TILES", (((32, 16, merge, 4, 1),) * 2,) * 3)
     l, d, sel = 16, 8, 8
     q, k, v = make_inputs(1, 300, 1, 3, 16, 16, l, d, torch.float32, seed=7)
