@@ -27,16 +27,16 @@ def main():
                                        cfg.num_sel), fla)):
         k_cmp, v_cmp = reference.compress_mean(k, l, d), reference.compress_mean(v, l, d)
         o, lse = C.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
-        for tile in ((128, 64, 1, 8, 2), (128, 64, 4, 8, 2), (128, 64, 16, 8, 2),
-                     (128, 32, 1, 8, 2), (128, 32, 8, 8, 2), (64, 64, 1, 4, 2),
-                     (64, 64, 2, 4, 2), (64, 64, 4, 4, 2), (64, 64, 8, 4, 2), (64, 64, 16, 4, 2),
-                     (128, 64, 4, 8, 1), (64, 64, 4, 8, 2), (128, 32, 4, 4, 2)):
+        for tile in ((128, 64, 8, 8, 2, None), (128, 64, 8, 8, 1, 128), (128, 32, 8, 8, 2, None),
+                     (128, 32, 8, 8, 2, 128), (128, 32, 16, 8, 2, 128), (128, 32, 4, 8, 2, 128),
+                     (64, 64, 8, 4, 2, None), (64, 64, 8, 4, 2, 128), (64, 64, 8, 4, 1, 128),
+                     (64, 64, 16, 4, 2, 128), (64, 32, 8, 4, 2, 128)):
             C._SELECT_TILES = ((tile, tile),) + base_select[1:]
             try:
                 ms = f"{bench(lambda: C.select_blocks(q, k_cmp, lse, l, d, lp, n, scale)):.2f} ms"
             except Exception as exc:  # out of shared memory / registers: report and go on
                 ms = type(exc).__name__
-            print(f"l={l} d={d} select (rows, SB, merge, warps, stages)={tile}: {ms}",
+            print(f"l={l} d={d} select (rows, SB, merge, warps, stages, maxnreg)={tile}: {ms}",
                   flush=True)
         C._SELECT_TILES = base_select
         for kind, variants in (("fwd", ((128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3))),

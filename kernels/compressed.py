@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import dot_precision, launch, pow2, unit_last_stride
+from nsa_ops.kernels.utils import dot_precision, launch, launch_options, pow2, unit_last_stride
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
 LOG2E = 1.4426950408889634
@@ -640,14 +640,19 @@ _TILES = {
 }
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
-# merge, num_warps, num_stages). Tiers 1 and 2 are not tuned; one stage keeps their unrolled
-# key loads within shared memory. Merging every 8 steps (H100, bf16, D=128, G=16, ms at
+# merge, num_warps, num_stages, maxnreg). Tiers 1 and 2 are not tuned; one stage keeps their
+# unrolled key loads within shared memory. Merging every 8 steps (H100, bf16, D=128, G=16, ms at
 # T = 8k / 64k / 128k; steps per merge 1 -> 8): l=d=l'=64 0.20 / 10.37 / 40.17 -> 0.20 / 4.68 /
 # 16.07; l=32, d=16, l'=64 0.32 / 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between
-# or worse). Sequences with fewer steps than that merge every step (_select_cfg).
-_SELECT_TILES = (((64, 64, 8, 4, 2), (128, 64, 8, 8, 2)),
-                 ((64, 32, 1, 8, 1), (64, 32, 1, 8, 1)),
-                 ((32, 16, 1, 8, 1), (32, 16, 1, 8, 1)))
+# or worse). Sequences with fewer steps than that merge every step (_select_cfg). maxnreg 128
+# lets two 8-warp programs share an SM (one scores while the other waits on its keys); ptxas
+# gave the uncapped tier-0 kernel 177 registers, so one per SM. At l=32, d=16 that pays with 32
+# blocks per step, whose pipelined keys leave shared memory for two programs (99 KB each, 64
+# blocks: 166 KB): H100 64k 10.36 -> 9.22 ms (64 blocks capped: 11.22; l=d=l'=64 4.78 -> 4.21),
+# spilling 16 bytes (bench/results/README.md).
+_SELECT_TILES = (((64, 64, 8, 4, 2, 128), (128, 32, 8, 8, 2, 128)),
+                 ((64, 32, 1, 8, 1, None), (64, 32, 1, 8, 1, None)),
+                 ((32, 16, 1, 8, 1, None), (32, 16, 1, 8, 1, None)))
 # Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16).
 # Backward ms at l=32, d=16 / l=d=64 with the other kernel at its old (64, 64, 8, 3): dq
 # (128, 64, 8, 3) 49.5 / 14.9 vs (64, 64, 8, 3) 62.5 / 18.6 and 5 others 51.3-68.6 / 15.2-19.3;
@@ -678,13 +683,13 @@ def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_
     """(TOK, G_PAD, SB, MERGE, launch options): >= 16 dot rows; SB no wider than the nblk
     blocks need (short sequences), but >= the padded n (the tile's top-n) and >= 16 (tl.dot).
     nblk None (a symbolic length): the table's SB and MERGE, which serve every length."""
-    rows, sb, merge, num_warps, num_stages = _SELECT_TILES[tier][loads_per_step > 1]
+    rows, sb, merge, num_warps, num_stages, maxnreg = _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
     g_pad = max(g_pad, 16 // tok)
     sb = max(sb if nblk is None else min(sb, pow2(nblk)), pow2(num_sel), 16)
     # a merge every step where the sequence has fewer steps than one merge would gather
     merge = merge if nblk is None or triton.cdiv(nblk, sb) >= merge else 1
-    return tok, g_pad, sb, merge, dict(num_warps=num_warps, num_stages=num_stages)
+    return tok, g_pad, sb, merge, launch_options(num_warps, num_stages, maxnreg)
 
 
 def _dims(q: Tensor, k: Tensor, v: Optional[Tensor] = None):
@@ -849,7 +854,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     # key tiles per step: l'/d, plus the l/d - 1 recomputed ones when l > l' (_score_tile)
     loads = sel_block // block_stride + (block_len // block_stride - 1
                                          if block_len > sel_block else 0)
-    tok, g_pad, sb, merge, warps_stages = _select_cfg(G, _tier(q.dtype, DK), num_sel, nblk,
+    tok, g_pad, sb, merge, options = _select_cfg(G, _tier(q.dtype, DK), num_sel, nblk,
                                                       loads)
     launch(_select_kernel)[(triton.cdiv(T, tok), B * H)](
         q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
@@ -860,5 +865,5 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
         SB=sb, MERGE=merge, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),
         # each step issues `loads` unrolled key loads; pipelining them over 3 stages overflows
         # shared memory (l=32, d=16, l'=64, D=128)
-        **warps_stages)
+        **options)
     return out

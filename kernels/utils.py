@@ -30,3 +30,14 @@ def launch(kernel):
     (AOTInductor decomposes the ops into their kernels, nsa_ops.ops): the launch then becomes a
     graph node Inductor compiles into the package. Eager launches skip the wrapper's dispatch."""
     return torch.library.wrap_triton(kernel) if is_in_torch_dispatch_mode() else kernel
+
+
+def launch_options(num_warps: int, num_stages: int, maxnreg: int | None = None) -> dict:
+    """Triton launch options. maxnreg caps the registers of a thread so that more programs share
+    an SM. torch.library.wrap_triton (torch 2.11-2.13) takes only num_warps, num_stages and
+    num_ctas, so a launch traced for AOTInductor goes without the cap: the same results, at the
+    uncapped kernel's speed."""
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None and not is_in_torch_dispatch_mode():
+        options["maxnreg"] = maxnreg
+    return options

@@ -75,7 +75,14 @@ def test_cuda_graph_capture_forward(T):
         out = nsa_ops.nsa_attention(q, k, v, *g)
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(out, eager)
+    if T == 2048:  # every launch is ours: replay is bitwise the eager call
+        assert torch.equal(out, eager)
+    else:
+        # cuDNN's attention under capture rounds differently from its eager call (H100, cuDNN
+        # 9 with torch 2.11: 0.1% of o_cmp one bf16 ulp off, two eager calls agree bitwise),
+        # so the layer agrees to bf16 rounding: an absolute bound, since the gated sum of
+        # three branches can cancel to near zero
+        torch.testing.assert_close(out, eager, atol=2e-3, rtol=1.6e-2)
 
 
 def _layer_step(m, x, weight):

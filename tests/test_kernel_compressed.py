@@ -235,7 +235,7 @@ def test_select_blocks_merges_several_tiles(monkeypatch, merge):
     """Three score tiles of 16 blocks (T = 300, l' = 8): merge=2 merges a full pair, then the
     last tile beside the first pair's stale scores; merge=4 merges once, part-filled. G = 3 pads
     each token's heads to 4 rows."""
-    monkeypatch.setattr(kc, "_SELECT_TILES", (((32, 16, merge, 4, 1),) * 2,) * 3)
+    monkeypatch.setattr(kc, "_SELECT_TILES", (((32, 16, merge, 4, 1, None),) * 2,) * 3)
     l, d, sel = 16, 8, 8
     q, k, v = make_inputs(1, 300, 1, 3, 16, 16, l, d, torch.float32, seed=7)
     lse = ref.compressed_attention(q, k, v, l, d, q.shape[-1] ** -0.5, None)[1]
@@ -257,7 +257,7 @@ def test_small_tiles(monkeypatch, cu_list, nsplit, ordered):
     if ordered:
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4, 1),) * 3 for name in kc._TILES})
-    monkeypatch.setattr(kc, "_SELECT_TILES", (((64, 16, 1, 4, 1),) * 2,) * 3)
+    monkeypatch.setattr(kc, "_SELECT_TILES", (((64, 16, 1, 4, 1, None),) * 2,) * 3)
     T = 200 if cu_list is None else cu_list[-1]
     H, G, Dk, Dv, l, d, sel, n = 1, 2, 32, 16, 16, 8, 8, 5
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=_device())
