@@ -3,8 +3,8 @@
     python bench/tune_window.py [--seqlen 65536] [geometry flags | --config FILE.yaml]
 
 Used to fill `_GPU_TILES` in kernels/window.py (bf16, at the geometry of bench/geometry.py: by
-default the spec's, D=128, the 256-byte row tier). Each row replaces that tier's forward or
-backward TileConfig.
+default the spec's, D=128, the 256-byte row tier). Each row replaces one of that tier's three
+TileConfigs (forward, dK dV, dQ) and times the pass it belongs to.
 """
 import triton
 import triton.testing
@@ -13,10 +13,14 @@ import geometry
 from nsa_ops.kernels import window as W
 from bench_kernels import spec_inputs
 
-FWD = ((128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-       (256, 64, 8, 2), (64, 128, 4, 2))
-BWD = ((64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3),
-       (128, 128, 8, 1))
+SWEEP = {
+    "fwd": ((128, 32, 4, 3), (128, 32, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3),
+            (64, 64, 4, 3), (256, 32, 8, 3)),
+    "dkdv": ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2),
+             (128, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 3)),
+    "dq": ((128, 32, 4, 3), (128, 32, 4, 2), (128, 32, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2),
+           (128, 16, 4, 3), (256, 32, 8, 2)),
+}
 
 
 def main():
@@ -35,21 +39,22 @@ def main():
     tiles = list(W._GPU_TILES)
     # bf16 rows of the widest head dim, padded to a power of two as the kernel's tiles are
     row_bytes = 2 * triton.next_power_of_2(max(geo.head_dim_qk, geo.head_dim_v))
-    tier = next(i for i, (limit, *_) in enumerate(tiles) if row_bytes <= limit)
-    limit, fwd0, bwd0 = tiles[tier]
-    for backward, variants in ((False, FWD), (True, BWD)):
+    tier = next(i for i, (limit, _) in enumerate(tiles) if row_bytes <= limit)
+    limit, tuned = tiles[tier]
+    for kernel, variants in SWEEP.items():
         for cfg in variants:
-            tile = W.TileConfig(*cfg)
             W._GPU_TILES = tuple(tiles[:tier]) + (
-                (limit, fwd0, tile) if backward else (limit, tile, bwd0),) + tuple(tiles[tier + 1:])
-            fn = (lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale,
-                                               backend="triton")) if backward else \
-                (lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="triton"))
+                (limit, tuned._replace(**{kernel: W.TileConfig(*cfg)})),) + tuple(tiles[tier + 1:])
+            fn = (lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="triton")) \
+                if kernel == "fwd" else \
+                (lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale,
+                                              backend="triton"))
             try:
                 ms = f"{bench(fn):.2f} ms"
             except Exception as exc:  # out of shared memory / registers: report and go on
                 ms = type(exc).__name__
-            print(f"T={T} w={w} triton {'bwd' if backward else 'fwd'} {cfg}: {ms}", flush=True)
+            step = "forward" if kernel == "fwd" else "backward"
+            print(f"T={T} w={w} triton {kernel} {cfg}: {step} {ms}", flush=True)
         W._GPU_TILES = tuple(tiles)
 
 

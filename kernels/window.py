@@ -9,9 +9,7 @@ takes the one routing would choose):
   flash_attn  the flash-attn (>= 2.7) package: FA-2 with window_size=(w-1, 0), causal.
   aten_fa2    the FA-2 kernels bundled with torch (aten::_flash_attention_forward/backward).
   triton      band-masked flash attention below; serves fp32, Dk != Dv, any G and queries at
-              an offset.
-  triton_fa2  the Triton forward, then aten_fa2's backward: on sm90 the Triton forward is the
-              faster one, FA-2's backward the faster one.
+              an offset, and is the faster one both ways on sm90.
 `backend_refusal` asks the routing table why a backend refuses; `select_backend` names the
 backend a call will use.
 
@@ -24,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -165,23 +163,6 @@ def _fwd_kernel(Q, K, V, O, LSE, START, KEYPOS, OFF,
 
 
 @triton.jit
-def _delta_kernel(O, DO, DLSE, DELTA, R, DV: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """delta = rowsum(dO * O) - dlse over R contiguous rows, so that dS = P * (dP - delta)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    d = tl.arange(0, BLOCK_DV)
-    ok = rows < R
-    offs = rows.to(tl.int64)[:, None] * DV + d[None, :]
-    mask = ok[:, None] & (d[None, :] < DV)
-    o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + rows, mask=ok, other=0.0)
-    tl.store(DELTA + rows, delta, mask=ok)
-
-
-@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
                      sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
@@ -243,14 +224,16 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, DQP,
-                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
+def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
+                   sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, sdob, sdot, sdoh,
                    sdqb, sdqt, sdqh,
                    T, TK, H, G, W, qk_scale, scale,
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """dQ of one row tile (tokens x the G heads of one KV head)."""
+                   PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """dQ of one row tile (tokens x the G heads of one KV head). It runs before the dK dV
+    kernel and writes the rows' delta = rowsum(dO * O) - dlse for it: every row belongs to one
+    program here, and dO is loaded anyway (a separate pass took 0.7 ms at 64k on an H100)."""
     # AOTInductor passes Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -264,11 +247,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, DQP,
     dv_r = tl.arange(0, BLOCK_DV)
     q_mask = ok[:, None] & (dk_r[None, :] < DK)
     q = tl.load(Q + _offsets(b, tok, head, sqb, sqt, sqh, dk_r), mask=q_mask, other=0.0)
-    do = tl.load(DO + _offsets(b, tok, head, sdob, sdot, sdoh, dv_r),
-                 mask=ok[:, None] & (dv_r[None, :] < DV), other=0.0)
+    do_mask = ok[:, None] & (dv_r[None, :] < DV)
+    do = tl.load(DO + _offsets(b, tok, head, sdob, sdot, sdoh, dv_r), mask=do_mask, other=0.0)
+    o = tl.load(O + _offsets(b, tok, head, sob, sot, soh, dv_r), mask=do_mask, other=0.0)
     row = (b.to(tl.int64) * T + tok) * (H * G) + head
     lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
-    delta = tl.load(DELTA + row, mask=ok, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row, mask=ok, other=0.0)
+    tl.store(DELTA + row, delta, mask=ok)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     lo, hi = _key_span(r0, T, G, W, START, KEYPOS, 0, BLOCK_M, BLOCK_N, True)
@@ -304,32 +291,42 @@ class TileConfig:
     num_stages: int
 
 
-# GPU tiles by the widest padded head row in bytes: (row bytes up to, forward, backward).
-# Starting points for H100-class parts, except the 256-byte forward (D = 128 in 16 bits), the
-# fastest of bench/tune_window.py at T=64k, w=512, G=16 (H100, bf16): (128, 32, 4, 3) 3.41 ms
-# against 3.65-6.28 for the six others, 3.97 for the previous (128, 64, 8, 2).
+class Tiles(NamedTuple):
+    fwd: TileConfig
+    dkdv: TileConfig
+    dq: TileConfig
+
+
+# GPU tiles by the widest padded head row in bytes: (row bytes up to, Tiles). Starting points
+# for H100-class parts, except the 256-byte row (D = 128 in 16 bits), the fastest of
+# bench/tune_window.py at T=64k, w=512, G=16 (H100, bf16): forward (128, 32, 4, 3) 3.31-3.41 ms
+# against 3.46-8.07 for ten others; dK dV (64, 64, 4, 2) 7.51 ms against 8.21-71 for fourteen
+# others; dQ (128, 32, 4, 3) 4.19 ms against 4.32-10.8 for eleven others. The two backward
+# kernels share one config where a tier was not measured.
 _GPU_TILES = (
-    (128, TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 2)),
-    (256, TileConfig(128, 32, 4, 3), TileConfig(64, 64, 8, 2)),
-    (512, TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 1)),
-    (math.inf, TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1)),
+    (128, Tiles(TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
+    (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3))),
+    (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1))),
+    (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
+                     TileConfig(16, 32, 4, 1))),
 )
 # The CPU interpreter's cost grows with the number of tiles; these still leave several tiles
 # (and skipped ones) in the small test shapes.
 _INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
 
 
-def _tile_config(backward: bool, row_bytes: int, on_gpu: bool) -> TileConfig:
+def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> TileConfig:
+    """The TileConfig of kernel "fwd", "dkdv" or "dq" for rows of row_bytes."""
     if not on_gpu:
         return _INTERPRETER_TILES
-    fwd, bwd = next((f, b) for limit, f, b in _GPU_TILES if row_bytes <= limit)
-    return bwd if backward else fwd
+    tiles = next(t for limit, t in _GPU_TILES if row_bytes <= limit)
+    return getattr(tiles, kernel)
 
 
-def _kernel_meta(q: Tensor, dk: int, dv: int, backward: bool) -> dict:
+def _kernel_meta(q: Tensor, dk: int, dv: int, kernel: str) -> dict:
     block_dk = pow2(dk, 16)
     block_dv = pow2(dv, 16)
-    cfg = _tile_config(backward, max(block_dk, block_dv) * q.element_size(), q.is_cuda)
+    cfg = _tile_config(kernel, max(block_dk, block_dv) * q.element_size(), q.is_cuda)
     precision = dot_precision(q.dtype)
     return dict(DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PRECISION=precision, num_warps=cfg.num_warps,
@@ -353,7 +350,7 @@ def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None):
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    meta = _kernel_meta(q, Dk, Dv, backward=False)
+    meta = _kernel_meta(q, Dk, Dv, "fwd")
     grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
     varlen = cu_seqlens is not None
     # fixed length: the kernel places query t at key t + Tk - T itself (no position arrays)
@@ -363,20 +360,6 @@ def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None):
                               T, Tk, H, HQ // H, torch.sym_min(window, Tk), scale * _LOG2E,
                               VARLEN=varlen, **meta)
     return o, lse
-
-
-def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
-    """rowsum(dO * O) - dlse, float32 [B,T,HQ]; o and do contiguous."""
-    B, T, HQ, Dv = o.shape
-    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=o.device)
-    rows = B * T * HQ
-    block_dv = pow2(Dv, 16)
-    block_r = max(16, 4096 // block_dv)  # ~4K elements per operand tile
-    dlse_arg = delta if dlse is None else dlse.to(torch.float32).contiguous()  # unread when absent
-    launch(_delta_kernel)[(triton.cdiv(rows, block_r),)](
-        o, do, dlse_arg, delta, rows, DV=Dv, BLOCK_R=block_r, BLOCK_DV=block_dv,
-        HAS_DLSE=dlse is not None)
-    return delta
 
 
 def _row_spans(keypos: Tensor, Tk: int, window: int, block_n: int) -> Tensor:
@@ -392,20 +375,22 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = HQ // H
-    do = do.contiguous()
-    delta = _delta(o.contiguous(), do, dlse)
     lse = lse.to(torch.float32).contiguous()
+    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    dlse_arg = delta if dlse is None else dlse.to(torch.float32).contiguous()  # unread if absent
     starts, keypos = _positions(q, k, cu_seqlens, cu_seqlens_k)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    meta = _kernel_meta(q, Dk, Dv, backward=True)
     w = torch.sym_min(window, Tk)
     shared = (T, Tk, H, G, w, scale * _LOG2E, scale)
+    meta = _kernel_meta(q, Dk, Dv, "dq")
+    launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
+        q, k, v, o, do, lse, dlse_arg, delta, starts, keypos, dq, *_strides(q, k, v, o, do, dq),
+        *shared, HAS_DLSE=dlse is not None, **meta)
+    meta = _kernel_meta(q, Dk, Dv, "dkdv")
     spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"])
     launch(_bwd_dkdv_kernel)[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
         q, k, v, do, lse, delta, starts, keypos, spans, dk, dv, *_strides(q, k, v, do, dk, dv),
         *shared, **meta)
-    launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, starts, keypos, dq, *_strides(q, k, v, do, dq), *shared, **meta)
     return dq, dk, dv
 
 
@@ -551,8 +536,6 @@ _BACKENDS = {
     "flash_attn": (_flash_fwd, functools.partial(_fa_backward, _flash_raw_bwd)),
     "aten_fa2": (_aten_fwd, functools.partial(_fa_backward, _aten_raw_bwd)),
     "triton": (_triton_fwd, _triton_bwd),
-    # FA-2's backward reads the Triton forward's o and lse as its own (lse converted)
-    "triton_fa2": (_triton_fwd, functools.partial(_fa_backward, _aten_raw_bwd)),
 }
 
 

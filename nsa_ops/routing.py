@@ -424,12 +424,20 @@ def _has_cudnn9(x: Inputs) -> Optional[str]:
     return None
 
 
-def _triton_window_forward_preferred(x: Inputs) -> Optional[str]:
-    if x.sm != (9, 0):
-        return ("the Triton window forward was measured faster than FA-2 on sm90 only (H100, "
-                "bf16, w=512: 0.53 / 4.08 / 8.29 ms against 0.68 / 5.52 / 11.06 at T = 8k / "
-                "64k / 128k, bench_kernels.py --kernels window); FA-2 runs both ways here "
-                "(force to override)")
+def _fa2_serves(x: Inputs) -> Optional[str]:
+    """Why neither FlashAttention-2 row (the flash_attn package, torch's bundled copy) serves x."""
+    why = _fa2_common(x)
+    if why is None and _importable("flash_attn")(x) is not None:
+        why = _has_aten_fa2(x)
+    return why
+
+
+def _triton_window_preferred(x: Inputs) -> Optional[str]:
+    if x.sm != (9, 0) and _fa2_serves(x) is None:
+        return ("the Triton window kernels were measured faster than FA-2 on sm90 only (H100, "
+                "bf16, w=512, T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against "
+                "0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / "
+                "30.16, bench_kernels.py --kernels window); FA-2 runs here (force to override)")
     return None
 
 
@@ -517,15 +525,12 @@ TABLE: tuple[Route, ...] = (
           interpreted=True),
     Route("selection_attention", "reference", f"{_REF}:selection_attention",
           f"{_REF}:selection_attention_backward", _always),
+    Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
+          (("backend", "triton"),), defer=_triton_window_preferred, interpreted=True),
     Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,
           _first(_importable("flash_attn"), _fa2_common), (("backend", "flash_attn"),)),
-    Route("sliding_window_attention", "triton_fa2", _WIN_FWD, _WIN_BWD,
-          _first(_fa2_common, _has_aten_fa2, _triton), (("backend", "triton_fa2"),),
-          defer=_triton_window_forward_preferred),
     Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,
           _first(_fa2_common, _has_aten_fa2), (("backend", "aten_fa2"),)),
-    Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
-          (("backend", "triton"),), interpreted=True),
     Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",
           f"{_REF}:sliding_window_attention_backward", _always),
     # eager only: under torch.compile nsa_attention leaves the gate to Inductor, which fuses it

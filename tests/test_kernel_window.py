@@ -113,7 +113,7 @@ def test_triton_gpu_tiles_without_dlse(monkeypatch, poisoned_empty):
     """The GPU tile shapes (larger than the interpreter's) and the dlse=None path."""
     real = win._tile_config
     monkeypatch.setattr(win, "_tile_config",
-                        lambda backward, row_bytes, on_gpu: real(backward, row_bytes, True))
+                        lambda kernel, row_bytes, on_gpu: real(kernel, row_bytes, True))
     _compare_cpu(1, 300, 2, 16, 16, 40, torch.float16, with_dlse=False, seed=3)
 
 

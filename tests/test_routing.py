@@ -48,11 +48,14 @@ def test_hopper_bf16_runs_triton_kernels(monkeypatch):
     x = Inputs("cuda", (9, 0), BF16, 128, 128, 32768)
     c = chosen(x)
     assert c["selection_attention"] == c["compressed_attention"] == c["select_blocks"] == "triton"
-    # the Triton window forward with FA-2's backward, each the faster one on sm90
-    assert c["sliding_window_attention"] in ("flash_attn", "triton_fa2")
+    # the Triton window kernels, faster than FA-2 both ways on sm90
+    assert c["sliding_window_attention"] == "triton"
     sm80 = dataclasses.replace(x, sm=(8, 0))
     assert chosen(sm80)["sliding_window_attention"] in ("flash_attn", "aten_fa2")
-    assert "sm90 only" in dict(routing.explain("sliding_window_attention", sm80))["triton_fa2"]
+    assert "sm90 only" in dict(routing.explain("sliding_window_attention", sm80))["triton"]
+    # where FA-2 cannot serve (fp32), the Triton kernels run on any SM
+    fp32 = dataclasses.replace(sm80, dtype=torch.float32)
+    assert chosen(fp32)["sliding_window_attention"] == "triton"
 
 
 def test_unequal_head_dims_route_window_to_triton(monkeypatch):

@@ -52,8 +52,8 @@ cuda sm80 bfloat16 Dk=128 Dv=128 T=65536 l=32 d=16
   select_blocks -> triton
   selection_attention -> triton
   sliding_window_attention -> aten_fa2
+    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 only (H100, bf16, w=512, T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window); FA-2 runs here (force to override)
     flash_attn refused: flash_attn is not importable
-    triton_fa2 deferred: the Triton window forward was measured faster than FA-2 on sm90 only (H100, bf16, w=512: 0.53 / 4.08 / 8.29 ms against 0.68 / 5.52 / 11.06 at T = 8k / 64k / 128k, bench_kernels.py --kernels window); FA-2 runs both ways here (force to override)
   gate_combine -> triton""")
 
     def test_routing_sm89(self):
@@ -65,8 +65,8 @@ cuda sm89 bfloat16 Dk=128 Dv=128 T=4096 l=32 d=16
   selection_attention -> packed_sdpa
     triton deferred: sm89 (Ada) runs packed SDPA by design: the kernels are tuned for the 164-228 KB of shared memory per SM of sm80/sm90/sm100, Ada has 100 KB (force to override)
   sliding_window_attention -> aten_fa2
+    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 only (H100, bf16, w=512, T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window); FA-2 runs here (force to override)
     flash_attn refused: flash_attn is not importable
-    triton_fa2 deferred: the Triton window forward was measured faster than FA-2 on sm90 only (H100, bf16, w=512: 0.53 / 4.08 / 8.29 ms against 0.68 / 5.52 / 11.06 at T = 8k / 64k / 128k, bench_kernels.py --kernels window); FA-2 runs both ways here (force to override)
   gate_combine -> triton""")
 
     def test_routing_sm90(self):
@@ -75,7 +75,7 @@ cuda sm90 bfloat16 Dk=128 Dv=128 T=65536 l=32 d=16
   compressed_attention -> cudnn
   select_blocks -> triton
   selection_attention -> triton
-  sliding_window_attention -> triton_fa2
+  sliding_window_attention -> triton
     flash_attn refused: flash_attn is not importable
   gate_combine -> triton""")
 
@@ -88,7 +88,6 @@ cuda sm90 float32 Dk=192 Dv=128 T=8192 l=32 d=16
   selection_attention -> triton
   sliding_window_attention -> triton
     flash_attn refused: flash_attn is not importable
-    triton_fa2 refused: FlashAttention-2 takes float16/bfloat16 only, got torch.float32
     aten_fa2 refused: FlashAttention-2 takes float16/bfloat16 only, got torch.float32
   gate_combine -> triton""")
 
@@ -100,8 +99,8 @@ cuda sm100 bfloat16 Dk=128 Dv=128 T=65536 l=32 d=16
   select_blocks -> triton
   selection_attention -> triton
   sliding_window_attention -> aten_fa2
+    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 only (H100, bf16, w=512, T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window); FA-2 runs here (force to override)
     flash_attn refused: flash_attn is not importable
-    triton_fa2 deferred: the Triton window forward was measured faster than FA-2 on sm90 only (H100, bf16, w=512: 0.53 / 4.08 / 8.29 ms against 0.68 / 5.52 / 11.06 at T = 8k / 64k / 128k, bench_kernels.py --kernels window); FA-2 runs both ways here (force to override)
   gate_combine -> triton""")
 
     def test_validation_messages(self):
