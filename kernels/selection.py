@@ -398,17 +398,17 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     """(keys per tile BN, query rows per tile BM, num_warps, num_stages) of the dk/dv kernel.
 
     The fp32 [BN, D] dk and dv accumulators live in registers, so wide heads and fp32 inputs
-    halve BN. Narrow 16-bit heads: measured on an H100 at T=64k, bf16, D=128, G=16, l'=64
-    (exp sweep, BN=64): BM=64 with (warps, stages) (4, 3) 15.0 ms, (4, 1) 15.3, (4, 2) 18.9,
-    (8, 1-3) 24.7-26.1; BM=128 25-61 ms. Wide heads and fp32 keep the configs sized from ptxas
-    reports (no spills), (8, 2) and (4, 2); they are unmeasured at scale.
+    halve BN. Narrow 16-bit heads: measured on an H100 at T=64k, bf16, D=128, G=16, l'=64, BN=64
+    (kernel alone, .gpu-style sweep): BM=32 with (warps, stages) (4, 2) 15.30 ms, (4, 3) 15.90,
+    (4, 4) 15.89, capped at 232 registers 16.41, (8, 3) 35.0, (2, 3) 65.3; BM=64 (4, 3) 17.57;
+    BM=16 19.8-20.7. Wide heads and fp32 keep the configs sized from ptxas reports (no
+    spills), (8, 2) and (4, 2); they are unmeasured at scale.
     """
     narrow = dkp + dvp <= 256 and dtype != torch.float32
-    bn = _key_tile(sel_block, 64 if narrow else 32)
-    bm = max(64 if dtype != torch.float32 else 32, gp2)
     if narrow:
-        return bn, bm, 4, 3
-    return bn, bm, (8 if dtype != torch.float32 else 4), 2
+        return _key_tile(sel_block, 64), max(32, gp2), 4, 2
+    bm = max(64 if dtype != torch.float32 else 32, gp2)
+    return _key_tile(sel_block, 32), bm, (8 if dtype != torch.float32 else 4), 2
 
 
 def _strides(x: Tensor) -> tuple[int, int, int]:

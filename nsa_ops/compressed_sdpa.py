@@ -1,26 +1,25 @@
-"""Compressed attention as two dense causal attentions through torch's cuDNN SDPA kernels.
+"""Compressed attention as dense attentions through torch's cuDNN SDPA kernels.
 
-Query t sees the compressed rows i <= floor((t - l + 1) / d). Write t = d*m + r with 0 <= r < d;
-since d divides l, that bound is m - l/d for r < d - 1 and m - l/d + 1 for r = d - 1. For a fixed
-residue r the queries m therefore form a plain causal attention over the compressed rows, shifted
-by a constant, and the branch splits into two causal attentions over strided views of q (the
-residue is the batch dimension, so nothing is copied in):
+Query t sees the compressed rows i <= floor((t - l + 1) / d). Write t = l - 1 + d*m + j with
+0 <= j < d: it sees rows i <= m, whatever j. So the queries t >= l - 1 in whole groups of d form
+one causal attention per j over the rows (j is the batch dimension of a strided view of q, m its
+query index; nothing is copied in), and the M = (T - l + 1) // d of them are square (rows =
+queries), so the dense kernel's top-left causal mask is the compressed mask exactly. The last
+(T - l + 1) % d queries (one when d divides T and l) all see rows 0..M: one attention without a
+mask. cuDNN lays its output out like the q view, i.e. as the tokens l - 1 .. l - 2 + d*M in
+order, so writing it into o is one contiguous copy.
 
-  group A: residues 0 .. d-2, queries m >= l/d;     query m' = m - l/d     sees rows i <= m'
-  group B: residue  d-1,      queries m >= l/d - 1; query m' = m - l/d + 1 sees rows i <= m'
-
-Queries t < l - 1 see no row: o = 0, lse = -inf. Both groups are square (rows = queries), so the
-top-left causal mask of the dense kernel is the compressed mask exactly. On an H100 cuDNN's fused
-attention runs this at 489 TFLOP/s forward and 422 backward, against 424 / 292 for the Triton
-kernel at T = 64k, l = 32, d = 16 (H200, bench/results/compressed_routing.csv). The routing table
-defers to Triton where that does not pay off (short residue sequences).
+Queries t < l - 1 see no row: o = 0, lse = -inf. On an H100 cuDNN's fused attention runs this at
+489 TFLOP/s forward and 422 backward, against 424 / 292 for the Triton kernel at T = 64k, l = 32,
+d = 16 (H200, bench/results/compressed_routing.csv). The routing table defers to Triton where
+that does not pay off (short sequences per residue).
 
 cuDNN's backward has no input for an lse gradient; with a dlse the Triton backward runs instead
 (it takes any correct o and lse).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -28,31 +27,43 @@ from torch import Tensor
 from .kernels.utils import unit_last_stride
 
 
-def _groups(T: int, block_len: int, block_stride: int) -> list[tuple[int, int, int, int]]:
-    """(first residue, residues, first m, queries = rows) of groups A and B, non-empty ones."""
-    d, M, lead = block_stride, T // block_stride, block_len // block_stride
-    groups = [(0, d - 1, lead, M - lead), (d - 1, 1, lead - 1, M - lead + 1)]
-    return [g for g in groups if g[1] > 0 and g[3] > 0]
+class _Part(NamedTuple):
+    """Queries t = first + d*m + j (j < nres, m < queries) attending rows 0..rows-1."""
+    first: int
+    nres: int
+    queries: int
+    rows: int
+    causal: bool
 
 
-def _residues(x: Tensor, d: int, r0: int, nres: int, m0: int, M: int) -> Tensor:
-    """x [T, HQ, D] (one batch row) as [nres, HQ, M, D]: element [j, h, m', :] is query
-    t = d * (m0 + m') + r0 + j. A view: the residue is a batch stride of HQ * D."""
+def _parts(T: int, block_len: int, block_stride: int) -> list[_Part]:
+    """The causal attention of the whole groups of d queries and the unmasked one of the rest,
+    non-empty ones."""
+    d, first = block_stride, block_len - 1
+    seen = max(0, T - first)  # queries that see a row
+    M, rest = divmod(seen, d)
+    parts = [_Part(first, d, M, M, True), _Part(first + d * M, rest, 1, M + 1, False)]
+    return [p for p in parts if p.nres > 0 and p.queries > 0]
+
+
+def _residues(x: Tensor, d: int, part: _Part) -> Tensor:
+    """x [T, HQ, D] (one batch row) as [nres, HQ, queries, D]: element [j, h, m, :] is token
+    first + d*m + j. A view: the residue is a batch stride of HQ * D."""
     _, hq, dim = x.shape
-    sh, st = x.stride(1), x.stride(0)
-    return x.as_strided((nres, hq, M, dim), (st, sh, d * st, x.stride(2)),
-                        x.storage_offset() + (m0 * d + r0) * st)
+    st = x.stride(0)
+    return x.as_strided((part.nres, hq, part.queries, dim), (st, x.stride(1), d * st, x.stride(2)),
+                        x.storage_offset() + part.first * st)
 
 
-def _residue_stats(s: Tensor, d: int, r0: int, nres: int, m0: int, M: int) -> Tensor:
-    """s [T, HQ] (one batch row of lse) as [nres, HQ, M]: `_residues` of a unit last dim."""
-    return _residues(s.unsqueeze(-1), d, r0, nres, m0, M)[..., 0]
+def _residue_stats(s: Tensor, d: int, part: _Part) -> Tensor:
+    """s [T, HQ] (one batch row of lse) as [nres, HQ, queries]: `_residues` of a unit last dim."""
+    return _residues(s.unsqueeze(-1), d, part)[..., 0]
 
 
-def _rows(x: Tensor, nres: int, M: int) -> Tensor:
-    """Compressed rows x [NC, H, D] (one batch row) as [nres, H, M, D]: rows 0..M-1, shared by
-    every residue through a zero batch stride."""
-    return x[:M].permute(1, 0, 2).unsqueeze(0).expand(nres, -1, -1, -1)
+def _rows(x: Tensor, part: _Part) -> Tensor:
+    """Compressed rows x [NC, H, D] (one batch row) as [nres, H, rows, D]: the part's rows,
+    shared by every residue through a zero batch stride."""
+    return x[:part.rows].permute(1, 0, 2).unsqueeze(0).expand(part.nres, -1, -1, -1)
 
 
 def _accumulate(dtype: torch.dtype) -> torch.dtype:
@@ -60,30 +71,38 @@ def _accumulate(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal attention [B, HQ, M, D] over [B, H, M, D] (GQA): (o, lse [B, HQ, M] float32)."""
+def _dense_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool
+               ) -> tuple[Tensor, Tensor]:
+    """Attention [B, HQ, M, D] over [B, H, N, D] (GQA), top-left causal if causal:
+    (o, lse [B, HQ, M] float32)."""
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, True, False, scale=scale)
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
     return out[0], out[1].view(q.shape[:3])
 
 
 def _dense_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-               scale: float) -> tuple[Tensor, Tensor, Tensor]:
+               scale: float, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     # None for attn_bias and the sequence offsets: an undefined tensor, as SDPA's own autograd
     # passes them (an empty cum_seq tensor would select cuDNN's packed, nested layout)
     unused = torch.empty(0, device=q.device)
-    M = q.shape[2]
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        do, q, k, v, o, lse.unsqueeze(-1), unused, unused, None, None, None, M, M, 0.0, True,
-        scale=scale)
+        do, q, k, v, o, lse.unsqueeze(-1), unused, unused, None, None, None, q.shape[2],
+        k.shape[2], 0.0, causal, scale=scale)
+
+
+def _fixed_length(cu_seqlens: Optional[Tensor]) -> None:
+    """What the routing table's cudnn row checks; a direct call gets a ValueError."""
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens: the cuDNN compressed attention takes fixed-length batches "
+                         "only (the residue views need one length)")
 
 
 def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len: int,
                              block_stride: int, scale: float,
                              cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32. Fixed-length batches with T % d == 0
-    (the routing table refuses others)."""
-    assert cu_seqlens is None and q.shape[1] % block_stride == 0
+    """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32. Fixed-length batches (the routing table
+    refuses others)."""
+    _fixed_length(cu_seqlens)
     q, k_cmp, v_cmp = (unit_last_stride(x) for x in (q, k_cmp, v_cmp))
     B, T, HQ, _ = q.shape
     o = torch.empty(B, T, HQ, v_cmp.shape[-1], dtype=q.dtype, device=q.device)
@@ -91,13 +110,13 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     blind = min(T, block_len - 1)  # queries before the first full block see no row
     o[:, :blind] = 0
     lse[:, :blind] = float("-inf")
+    d = block_stride
     for b in range(B):
-        for r0, nres, m0, M in _groups(T, block_len, block_stride):
-            view = (block_stride, r0, nres, m0, M)
-            o_g, lse_g = _dense_fwd(_residues(q[b], *view), _rows(k_cmp[b], nres, M),
-                                    _rows(v_cmp[b], nres, M), scale)
-            _residues(o[b], *view).copy_(o_g)
-            _residue_stats(lse[b], *view).copy_(lse_g)
+        for part in _parts(T, block_len, d):
+            o_p, lse_p = _dense_fwd(_residues(q[b], d, part), _rows(k_cmp[b], part),
+                                    _rows(v_cmp[b], part), scale, part.causal)
+            _residues(o[b], d, part).copy_(o_p)
+            _residue_stats(lse[b], d, part).copy_(lse_p)
     return o, lse
 
 
@@ -112,7 +131,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
         from nsa_ops.kernels.compressed import compressed_attention_bwd as triton_bwd
         return triton_bwd(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale,
                           cu_seqlens)
-    assert cu_seqlens is None and q.shape[1] % block_stride == 0
+    _fixed_length(cu_seqlens)
     B, T = q.shape[:2]
     q, k_cmp, v_cmp, o, do = (unit_last_stride(x.to(q.dtype)) for x in (q, k_cmp, v_cmp, o, do))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -120,15 +139,15 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     acc = _accumulate(q.dtype)
     dk = torch.zeros(k_cmp.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v_cmp.shape, dtype=acc, device=q.device)
+    d = block_stride
     for b in range(B):
-        for r0, nres, m0, M in _groups(T, block_len, block_stride):
-            view = (block_stride, r0, nres, m0, M)
-            dq_g, dk_g, dv_g = _dense_bwd(
-                _residues(do[b], *view), _residues(q[b], *view), _rows(k_cmp[b], nres, M),
-                _rows(v_cmp[b], nres, M), _residues(o[b], *view),
-                _residue_stats(lse[b], *view).contiguous(), scale)
-            _residues(dq[b], *view).copy_(dq_g)
+        for part in _parts(T, block_len, d):
+            dq_p, dk_p, dv_p = _dense_bwd(
+                _residues(do[b], d, part), _residues(q[b], d, part), _rows(k_cmp[b], part),
+                _rows(v_cmp[b], part), _residues(o[b], d, part),
+                _residue_stats(lse[b], d, part).contiguous(), scale, part.causal)
+            _residues(dq[b], d, part).copy_(dq_p)
             # one gradient per residue (the rows were broadcast over them): sum in fp32
-            dk[b, :M] += dk_g.sum(0, dtype=acc).permute(1, 0, 2)
-            dv[b, :M] += dv_g.sum(0, dtype=acc).permute(1, 0, 2)
+            dk[b, :part.rows] += dk_p.sum(0, dtype=acc).permute(1, 0, 2)
+            dv[b, :part.rows] += dv_p.sum(0, dtype=acc).permute(1, 0, 2)
     return dq, dk.to(k_cmp.dtype), dv.to(v_cmp.dtype)

@@ -1,4 +1,4 @@
-"""nsa_ops.compressed_sdpa: compressed attention as two residue-strided dense causal attentions.
+"""nsa_ops.compressed_sdpa: compressed attention as residue-strided dense attentions.
 
 CPU: the decomposition (residue views, query offsets, blind queries, the per-residue dk/dv sum)
 with cuDNN's dense kernels replaced by float64 math, against the reference in float64
@@ -13,23 +13,24 @@ from nsa_ops import compressed_sdpa as cs
 from nsa_ops import reference as R
 
 
-def _math_fwd(q, k, v, scale):
+def _math_fwd(q, k, v, scale, causal):
     G = q.shape[1] // k.shape[1]
     s = q @ k.repeat_interleave(G, 1).transpose(-1, -2) * scale
-    M = q.shape[2]
-    s = s.masked_fill(~torch.ones(M, M, dtype=torch.bool).tril(), float("-inf"))
+    if causal:  # top-left, as cuDNN's
+        M, N = q.shape[2], k.shape[2]
+        s = s.masked_fill(~torch.ones(M, N, dtype=torch.bool).tril(), float("-inf"))
     return torch.softmax(s, -1) @ v.repeat_interleave(G, 1), torch.logsumexp(s, -1)
 
 
-def _math_bwd(do, q, k, v, o, lse, scale):
+def _math_bwd(do, q, k, v, o, lse, scale, causal):
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out, _ = _math_fwd(q, k, v, scale)
+    out, _ = _math_fwd(q, k, v, scale, causal)
     return torch.autograd.grad(out, (q, k, v), do)
 
 
-GEOMETRIES = [  # (B, T, HQ, H, l, d)
+GEOMETRIES = [  # (B, T, HQ, H, l, d); T % d != 0 and d not dividing l are served too
     (1, 64, 4, 2, 16, 8), (2, 48, 2, 1, 16, 16), (1, 96, 8, 2, 32, 8), (1, 8, 2, 1, 16, 8),
-    (1, 40, 2, 2, 8, 4)]
+    (1, 40, 2, 2, 8, 4), (2, 45, 4, 2, 16, 8), (1, 37, 2, 1, 12, 8), (1, 16, 2, 1, 16, 8)]
 
 
 @pytest.mark.parametrize("B,T,HQ,H,l,d", GEOMETRIES)
@@ -53,7 +54,8 @@ def test_decomposition_matches_reference(monkeypatch, B, T, HQ, H, l, d):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,T,HQ,H,l,d,D", [
-    (1, 4096, 64, 4, 32, 16, 128), (2, 2048, 16, 1, 64, 64, 64), (1, 1024, 8, 8, 16, 8, 128)])
+    (1, 4096, 64, 4, 32, 16, 128), (2, 2048, 16, 1, 64, 64, 64), (1, 1024, 8, 8, 16, 8, 128),
+    (2, 1000, 16, 2, 32, 16, 128)])
 def test_cudnn_matches_reference(B, T, HQ, H, l, d, D, dtype):
     q, k, v = qkv(B, T, HQ, H, D, D, dtype, seed=1, device="cuda")
     k_cmp, v_cmp = R.compress_mean(k, l, d), R.compress_mean(v, l, d)

@@ -119,7 +119,7 @@ torch.save(outs, sys.argv[3])
 """
 
 # fp32 at CFG's tiny geometry; bf16 where every branch takes its fast route (cuDNN aside: a
-# symbolic T cannot prove the residue views' T % d == 0, so the Triton kernel serves)
+# symbolic T cannot size the residue views, so the Triton kernel serves)
 AOTI_CONFIGS = {
     "fp32": (CFG, torch.float32, 1e-5),
     "bf16": (nsa_ops.NSAConfig(hidden_size=512, num_heads=8, num_kv_heads=2, head_dim_qk=64,
