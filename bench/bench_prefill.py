@@ -21,6 +21,7 @@ its output against nsa_full's on the same inputs.
 from __future__ import annotations
 
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -82,10 +83,16 @@ class Gates(list):
         self.logits = logits.flatten(0, 1).contiguous()
 
 
-def median_ms(fn, warmup=3, reps=10) -> float:
-    for _ in range(warmup):
+def median_ms(fn, warmup_s=0.25, reps=10) -> float:
+    """Median of reps synced calls after warmup_s seconds of calls (at least 3): a few calls of
+    a 4 ms step left the GPU below its boost clock, and the first method measured at each length
+    read up to 20% slow (H100, 8k tokens)."""
+    start = time.perf_counter()
+    calls = 0
+    while calls < 3 or time.perf_counter() - start < warmup_s:
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        calls += 1
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
