@@ -134,12 +134,16 @@ def _slot_block(row, kept, s, NP: tl.constexpr):
 # autotunes over all of them. Eager calls launch the one _per_token_launch names, not an autotuned
 # pick: autotuning times the kernel on its first call, which fails inside CUDA-graph capture and
 # depends on whichever shape came first. Both kernels are bound by moving K/V blocks from L2, so
-# what matters is how many loads are in flight: pipeline depth and programs per SM. The picks
-# are the fastest of PER_TOKEN_CONFIGS by bench/tune_selection.py at T=64k (H100, bf16, spec
-# geometry): forward (4, 3) 17.8 ms against 18.1-23.2, dq (2, 3) 35.9 ms against 36.2-43.6.
-# One warp (flash-nsa's forward launch) measured 23.0-29.4 ms forward, 41.0-53.2 ms dq.
+# what matters is how many loads are in flight: pipeline depth and programs per SM. The picks,
+# with the key tiles of `_key_tile_size`, are the fastest measured on an H100 (bf16, spec
+# geometry, the kernels alone): forward 32-key tiles at (2, 3) 1.96 / 17.09 ms at T = 8k / 64k
+# against 2.09-2.10 / 17.54-17.99 for 64-key tiles at (4, 3), (4, 2), (2, 2) and 2.11-4.23 /
+# 18.3-35.0 for the other 32-key configs; dq 64-key tiles at (2, 2) 2.11 / 18.30 against (2, 3)
+# 2.18 / 18.3-21.2 and 2.08-2.56 / 18.7-23.4 for (4, 3), (4, 2) and 32-key tiles (the whole
+# backward, tune_selection.py: 4.10 / 8.27 ms at 8k / 16k against 4.20 / 8.41 for (2, 3)).
+# One warp (flash-nsa's forward launch) measured 23.0-29.4 ms forward, 41.0-53.2 ms dq at 64k.
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
-_PER_TOKEN_PICK = {"fwd": (4, 3), "dq": (2, 3)}
+_PER_TOKEN_PICK = {"fwd": (2, 3), "dq": (2, 2)}
 
 
 def _per_token_launch(kernel: str) -> dict:
@@ -388,9 +392,10 @@ def _key_tile(sel_block: int, cap: int) -> int:
     return min(cap, divisor if divisor >= 16 else pow2(sel_block, 16))
 
 
-def _key_tile_size(sel_block: int, dkp: int, dvp: int) -> int:
-    """Keys per forward / dq tile: up to 64, 32 for very wide heads to bound the K/V tiles."""
-    return _key_tile(sel_block, 64 if dkp + dvp <= 384 else 32)
+def _key_tile_size(kernel: str, sel_block: int, dkp: int, dvp: int) -> int:
+    """Keys per forward ("fwd") / dq ("dq") tile: 32 forward, up to 64 dq (32 for very wide
+    heads, to bound the K/V tiles); measured with `_PER_TOKEN_PICK`."""
+    return _key_tile(sel_block, 64 if kernel == "dq" and dkp + dvp <= 384 else 32)
 
 
 def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: int
@@ -549,7 +554,8 @@ def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
     Inductor template, so eager and compiled forwards tile alike)."""
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     return dict(H=H, G=HQ // H, GP=pow2(HQ // H, 16), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp,
-                SEL=sel_block, BN=_key_tile_size(sel_block, dkp, dvp), NP=pow2(n), PREC=dot_precision(dtype))
+                SEL=sel_block, BN=_key_tile_size("fwd", sel_block, dkp, dvp), NP=pow2(n),
+                PREC=dot_precision(dtype))
 
 
 def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
@@ -582,7 +588,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
         T, n, scale, scale * math.log2(math.e),
         H=H, G=G, GP=pow2(G, 16), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
-        BN=_key_tile_size(sel_block, dkp, dvp), NP=pow2(n), IS_VARLEN=queries.varlen,
+        BN=_key_tile_size("dq", sel_block, dkp, dvp), NP=pow2(n), IS_VARLEN=queries.varlen,
         HAS_DLSE=dlse is not None, PREC=prec, **_per_token_launch("dq"))
 
     gp2 = pow2(G)
