@@ -9,7 +9,7 @@ takes the one routing would choose):
   flash_attn  the flash-attn (>= 2.7) package: FA-2 with window_size=(w-1, 0), causal.
   aten_fa2    the FA-2 kernels bundled with torch (aten::_flash_attention_forward/backward).
   triton      band-masked flash attention below; serves fp32, Dk != Dv, any G and queries at
-              an offset, and is the faster one both ways on sm90.
+              an offset, and is the faster one both ways on sm90 at the tuned head dims.
 `backend_refusal` asks the routing table why a backend refuses; `select_backend` names the
 backend a call will use.
 

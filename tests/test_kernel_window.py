@@ -215,7 +215,6 @@ def _gpu_inputs(cfg, dtype, seed=0):
 @pytest.mark.gpu
 def test_gpu_routing():
     q = torch.zeros(1, 16, 8, 192, dtype=torch.bfloat16, device="cuda")
-    k = torch.zeros(1, 16, 2, 192, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
     assert win.select_backend(q, v) == "triton"  # Dk != Dv: FA-2 cannot serve it
     assert win.select_backend(q, q) != "triton"
