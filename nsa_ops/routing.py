@@ -422,10 +422,8 @@ def _has_cudnn9(x: Inputs) -> Optional[str]:
 
 def _fa2_serves(x: Inputs) -> Optional[str]:
     """Why neither FlashAttention-2 row (the flash_attn package, torch's bundled copy) serves x."""
-    why = _fa2_common(x)
-    if why is None and _importable("flash_attn")(x) is not None:
-        why = _has_aten_fa2(x)
-    return why
+    why = _flash_attn_row(x)
+    return None if why is None else _aten_fa2_row(x)
 
 
 def _triton_window_preferred(x: Inputs) -> Optional[str]:
@@ -461,6 +459,9 @@ _triton = _first(_needs_cuda, _needs_triton, _needs_sm80, _needs_half_or_fp32, _
 _fa2_common = _first(_needs_cuda, _no_offset, _needs_sm80, _half_only("FlashAttention-2"),
                      _equal_head_dims("FlashAttention-2"), _head_dims_upto(256),
                      _head_dim_multiple_of_8("FlashAttention-2"))
+# the two FA-2 rows' refusals, also asked by the Triton row's defer rule
+_flash_attn_row = _first(_importable("flash_attn"), _fa2_common)
+_aten_fa2_row = _first(_fa2_common, _has_aten_fa2)
 
 
 def _not_capturing(x: Inputs) -> Optional[str]:
@@ -528,9 +529,9 @@ TABLE: tuple[Route, ...] = (
     Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
           (("backend", "triton"),), defer=_triton_window_preferred, interpreted=True),
     Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,
-          _first(_importable("flash_attn"), _fa2_common), (("backend", "flash_attn"),)),
+          _flash_attn_row, (("backend", "flash_attn"),)),
     Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,
-          _first(_fa2_common, _has_aten_fa2), (("backend", "aten_fa2"),)),
+          _aten_fa2_row, (("backend", "aten_fa2"),)),
     Route("sliding_window_attention", "reference", f"{_REF}:sliding_window_attention",
           f"{_REF}:sliding_window_attention_backward", _always),
     # eager only: under torch.compile nsa_attention leaves the gate to Inductor, which fuses it
