@@ -2,7 +2,8 @@
 
     python bench/tune_selection.py [--seqlen 65536] [geometry flags | --config FILE.yaml]
 
-Used to pick `_PER_TOKEN_PICK` in kernels/selection.py among `PER_TOKEN_CONFIGS` (bf16, the
+Used to pick `_PER_TOKEN_PICK` in kernels/selection.py among `PER_TOKEN_CONFIGS` (pointer loads)
+and `TMA_CONFIGS` (the forward's TMA loads, sm90+) (bf16, the
 selection bench_kernels.py times, at the geometry of bench/geometry.py, by default the spec's).
 The backward is timed whole (dq, then dk/dv at its fixed config), so dq rows differ by the dq
 kernel alone.
@@ -24,15 +25,16 @@ def main():
     scale = geo.scale
     o, lse = S.selection_attention_fwd(q, k, v, idx, lp, scale)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
+    fwd = lambda tma: lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale, tma=tma)
     picked = dict(S._PER_TOKEN_PICK)
-    for kernel, fn in (("fwd", lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale)),
-                       ("dq", lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx,
-                                                                lp, scale))):
-        for cfg in S.PER_TOKEN_CONFIGS:
+    for kernel, fn, configs in (
+            ("fwd", fwd(False), S.PER_TOKEN_CONFIGS), ("fwd_tma", fwd(True), S.TMA_CONFIGS),
+            ("dq", lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale),
+             S.PER_TOKEN_CONFIGS)):
+        for cfg in configs:
             S._PER_TOKEN_PICK = {**picked, kernel: cfg}
             print(f"T={T} {kernel} (num_warps, num_stages)={cfg}: {bench(fn):.2f} ms", flush=True)
         S._PER_TOKEN_PICK = picked
-
 
 if __name__ == "__main__":
     main()

@@ -28,9 +28,11 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import dot_precision, launch, pow2, unit_last_stride
+from nsa_ops.kernels.utils import dot_precision, launch, pow2, tma_layout, unit_last_stride
 from nsa_ops.reference import query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -126,6 +128,72 @@ def _slot_block(row, kept, s, NP: tl.constexpr):
         return tl.sum(tl.where(tl.arange(0, NP) == s, kept, 0), axis=0)
 
 
+@triton.jit
+def _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, DK: tl.constexpr,
+              DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
+    """The K [BN, DKP] and V [BN, DVP] rows of keys toks of head h; zero outside kmask."""
+    kcols = tl.arange(0, DKP)
+    vcols = tl.arange(0, DVP)
+    kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
+                 mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
+    vt = tl.load(v + (b * sv_b + toks * sv_t + h * sv_h)[:, None] + vcols[None, :],
+                 mask=kmask[:, None] & (vcols[None, :] < DV), other=0.0)
+    return kt, vt
+
+
+@triton.jit
+def _tma_tiles(kd, vd, b, first, h, start, last, BN: tl.constexpr, DKP: tl.constexpr,
+               DVP: tl.constexpr):
+    """(whole, K, V): `_kv_tiles` of keys first .. first + BN - 1 through the TMA descriptors kd,
+    vd of k, v [B, Tk, H, D] (`_tma_descriptors`), whole when the query sees them all. A box has
+    no row mask, and a key past the query must never reach a sum, not even a non-finite one: a
+    tile that is not whole (the query's own partial tile, empty slots, blocks past the query)
+    reads the sequence's first tile instead, which the caller masks; `_edge_tile` brings the
+    partial tile's visible keys afterwards. (A box at a negative row would read zeros, but
+    TMA's out-of-bounds path cost 6% of the forward on an H100.)"""
+    whole = first + BN - 1 <= last
+    at = tl.where(whole, first, tl.where(start + BN - 1 <= last, start, -BN))
+    at = [b.to(tl.int32), at.to(tl.int32), h.to(tl.int32), 0]
+    return whole, tl.reshape(kd.load(at), (BN, DKP)), tl.reshape(vd.load(at), (BN, DVP))
+
+
+@triton.jit
+def _edge_tile(row, N, start, last, SEL: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr):
+    """(keys, mask) of the tile that `_tma_tiles` leaves out: the [BN] tile holding the query's
+    own key when it reaches past it and the query selected its block; all masked otherwise."""
+    slots = tl.arange(0, NP)
+    own = (last - start) // SEL
+    picked = tl.sum((tl.load(row + slots, mask=slots < N, other=-1) == own).to(tl.int32),
+                    axis=0) > 0
+    first = start + (last - start) // BN * BN
+    toks = first + tl.arange(0, BN)
+    # a vector & scalar-bool mask is mis-typed by the interpreter, hence the where
+    return toks, tl.where(picked & (first + BN - 1 > last), toks <= last, False)
+
+
+@triton.jit
+def _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC: tl.constexpr):
+    """One key tile of the online softmax: the updated (running max, sum, output)."""
+    s = tl.dot(qt, tl.trans(kt), input_precision=PREC) * qk_scale
+    s = tl.where(kmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC: tl.constexpr):
+    """One key tile's share of dq (unscaled)."""
+    p = tl.exp2(tl.dot(qt, tl.trans(kt), input_precision=PREC) * qk_scale - lse2[:, None])
+    p = tl.where(kmask[None, :], p, 0.0)
+    dp = tl.dot(dot_, tl.trans(vt), input_precision=PREC)
+    ds = p * (dp - dlt[:, None])
+    return acc + tl.dot(ds.to(kt.dtype), kt, input_precision=PREC)
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
@@ -136,31 +204,68 @@ def _slot_block(row, kept, s, NP: tl.constexpr):
 # depends on whichever shape came first. Both kernels are bound by moving K/V blocks from L2, so
 # what matters is how many loads are in flight: pipeline depth and programs per SM. The picks,
 # with the key tiles of `_key_tile_size`, are the fastest measured on an H100 (bf16, spec
-# geometry, the kernels alone): forward 32-key tiles at (2, 3) 1.96 / 17.09 ms at T = 8k / 64k
-# against 2.09-2.10 / 17.54-17.99 for 64-key tiles at (4, 3), (4, 2), (2, 2) and 2.11-4.23 /
-# 18.3-35.0 for the other 32-key configs; dq 64-key tiles at (2, 2) 2.11 / 18.30 against (2, 3)
-# 2.18 / 18.3-21.2 and 2.08-2.56 / 18.7-23.4 for (4, 3), (4, 2) and 32-key tiles (the whole
-# backward, tune_selection.py: 4.10 / 8.27 ms at 8k / 16k against 4.20 / 8.41 for (2, 3)).
-# One warp (flash-nsa's forward launch) measured 23.0-29.4 ms forward, 41.0-53.2 ms dq at 64k.
+# geometry, the kernels alone). Pointer loads (the template, AOTInductor, GPUs before sm90):
+# forward 32-key tiles at (2, 3) 1.96 / 17.09 ms at T = 8k / 64k against 2.09-2.10 /
+# 17.54-17.99 for 64-key tiles at (4, 3), (4, 2), (2, 2) and 2.11-4.23 / 18.3-35.0 for the other
+# 32-key configs; dq 64-key tiles at (2, 2) 2.11 / 18.30 against (2, 3) 2.18 / 18.3-21.2 and
+# 2.08-2.56 / 18.7-23.4 for (4, 3), (4, 2) and 32-key tiles; one warp 23.0-29.4 ms forward,
+# 41.0-53.2 ms dq at 64k. TMA loads (the eager forward on sm90+, `_tma_loads`) free the warps
+# from address math, so one warp keeps three tiles in flight: 32-key tiles at (1, 3) 3.59 /
+# 16.59 ms at 16k / 64k against 3.93 / 16.46 with pointer loads (the query's own partial tile,
+# loaded apart by `_edge_tile`, costs 0.13 / 0.34 ms of that); the other TMA_CONFIGS 3.92-5.10 /
+# 17.5-20.5 (tune_selection.py). dq with TMA loads measured 37.4-483 ms at 64k: it keeps
+# pointer loads.
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
-_PER_TOKEN_PICK = {"fwd": (2, 3), "dq": (2, 2)}
+TMA_CONFIGS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 3))
+_PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2)}
 
 
 def _per_token_launch(kernel: str) -> dict:
-    """Launch config of the eager forward ("fwd") or dq ("dq") kernel."""
+    """Launch config of the eager forward ("fwd", "fwd_tma": with TMA loads) or dq ("dq")
+    kernel."""
     num_warps, num_stages = _PER_TOKEN_PICK[kernel]
     return dict(num_warps=num_warps, num_stages=num_stages)
 
 
+def _tma_reason(k: Tensor, v: Tensor, sel_block: int, bn: int) -> Optional[str]:
+    """Why the per-token kernels cannot read these K/V tiles through TMA descriptors (None: they
+    can): whole boxes must tile the blocks exactly, and TMA must be able to describe k and v."""
+    if sel_block % bn:
+        return f"sel_block={sel_block} is not a multiple of the {bn}-key tile"
+    if not (tma_layout(k) and tma_layout(v)):
+        return "k or v has a layout TMA cannot describe (16-byte strides and start, unit last)"
+    return None
+
+
+def _tma_loads(tma: Optional[bool], k: Tensor, v: Tensor, sel_block: int, bn: int) -> bool:
+    """Whether the per-token kernels read K/V tiles through TMA descriptors. None: where it
+    serves, Hopper's copy engine on sm90+ GPUs in eager launches (a launch traced for
+    AOTInductor keeps pointer loads). True forces them (the CPU tests, under the interpreter)."""
+    reason = _tma_reason(k, v, sel_block, bn)
+    if tma is None:
+        return reason is None and k.device.type == "cuda" and not is_in_torch_dispatch_mode() \
+            and torch.cuda.get_device_capability(k.device)[0] >= 9
+    if tma and reason is not None:
+        raise ValueError(f"tma=True: {reason}")
+    return tma
+
+
+def _tma_descriptors(k: Tensor, v: Tensor, bn: int, dkp: int, dvp: int) -> tuple:
+    """TMA descriptors of k and v [B, Tk, H, D], one box a [bn, D] tile of one head."""
+    return (TensorDescriptor.from_tensor(k, [1, bn, 1, dkp]),
+            TensorDescriptor.from_tensor(v, [1, bn, 1, dvp]))
+
+
 @triton.jit
-def selection_fwd_rows(q, k, v, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
+def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
                        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, N, qk_scale,
                        H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                        BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       PREC: tl.constexpr):
+                       PREC: tl.constexpr, TMA: tl.constexpr):
     """Attention of the G query heads of (b, t, KV head h) over the token's selected blocks
-    (cu_q, cu_k, OFF, NSEQ: see _token_blocks).
+    (cu_q, cu_k, OFF, NSEQ: see _token_blocks). With TMA, kd and vd are TMA descriptors of k and
+    v (`_tma_tiles`); without, they go unread.
 
     Returns the normalised output [GP, DVP] (fp32), lse [GP] (natural log, -inf for rows that saw
     nothing), the query-head indices and their mask. Shared by the eager forward kernel and the
@@ -178,30 +283,28 @@ def selection_fwd_rows(q, k, v, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
     l = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DVP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
-    kcols = tl.arange(0, DKP)
-    vcols = tl.arange(0, DVP)
-    # one flat loop over (slot, key tile); loads are written out in the loop because
-    # device-function calls cost ~10 ops each under TRITON_INTERPRET (the CPU tests)
+    # one flat loop over (slot, key tile)
     for it in range(n_walk * NSUB):
         blk = _slot_block(row, kept, it // NSUB, NP)
-        offs = (it % NSUB) * BN + tl.arange(0, BN)
+        sub = (it % NSUB) * BN
         # an empty slot (-1) points past the query, so the causal mask closes it
-        toks = tl.where(blk >= 0, start + blk * SEL, last + 1) + offs
+        first = tl.where(blk >= 0, start + blk * SEL, last + 1) + sub
+        toks = first + tl.arange(0, BN)
         kmask = toks <= last
         if SEL % BN != 0:  # the block's last tile runs past its end
-            kmask = kmask & (offs < SEL)
-        kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
-                     mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
-        vt = tl.load(v + (b * sv_b + toks * sv_t + h * sv_h)[:, None] + vcols[None, :],
-                     mask=kmask[:, None] & (vcols[None, :] < DV), other=0.0)
-        s = tl.dot(qt, tl.trans(kt), input_precision=PREC) * qk_scale
-        s = tl.where(kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
-        m = m_new
+            kmask = kmask & (sub + tl.arange(0, BN) < SEL)
+        if TMA:  # (only where BN divides SEL: `_tma_loads`)
+            whole, kt, vt = _tma_tiles(kd, vd, b, first, h, start, last, BN, DKP, DVP)
+            kmask = tl.where(whole, kmask, False)
+        else:
+            kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                               DK, DV, DKP, DVP)
+        m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
+    if TMA:
+        toks, kmask = _edge_tile(row, N, start, last, SEL, BN, NP)
+        kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                           DK, DV, DKP, DVP)
+        m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
 
     seen = l > 0
     l_safe = tl.where(seen, l, 1.0)
@@ -210,13 +313,13 @@ def selection_fwd_rows(q, k, v, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
 
 
 @triton.jit
-def _fwd_kernel(q, k, v, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
+def _fwd_kernel(q, k, v, kd, vd, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
                 sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                 T, N, qk_scale,
                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                 BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, TMA: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
@@ -224,8 +327,9 @@ def _fwd_kernel(q, k, v, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
-        q, k, v, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-        sv_b, sv_t, sv_h, T, N, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
+        q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+        sv_b, sv_t, sv_h, T, N, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC,
+        TMA)
     _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, out, DV, DVP)
     tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
 
@@ -265,24 +369,17 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, cu_q, cu_k, OFF, NSEQ
 
     acc = tl.zeros([GP, DKP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
-    kcols = tl.arange(0, DKP)
-    vcols = tl.arange(0, DVP)
     for it in range(n_walk * NSUB):
         blk = _slot_block(row, kept, it // NSUB, NP)
-        offs = (it % NSUB) * BN + tl.arange(0, BN)
-        toks = tl.where(blk >= 0, start + blk * SEL, last + 1) + offs
+        sub = (it % NSUB) * BN
+        first = tl.where(blk >= 0, start + blk * SEL, last + 1) + sub
+        toks = first + tl.arange(0, BN)
         kmask = toks <= last
         if SEL % BN != 0:
-            kmask = kmask & (offs < SEL)
-        kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
-                     mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
-        vt = tl.load(v + (b * sv_b + toks * sv_t + h * sv_h)[:, None] + vcols[None, :],
-                     mask=kmask[:, None] & (vcols[None, :] < DV), other=0.0)
-        p = tl.exp2(tl.dot(qt, tl.trans(kt), input_precision=PREC) * qk_scale - lse2[:, None])
-        p = tl.where(kmask[None, :], p, 0.0)
-        dp = tl.dot(dot_, tl.trans(vt), input_precision=PREC)
-        ds = p * (dp - dlt[:, None])
-        acc += tl.dot(ds.to(kt.dtype), kt, input_precision=PREC)
+            kmask = kmask & (sub + tl.arange(0, BN) < SEL)
+        kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                           DK, DV, DKP, DVP)
+        acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)
     _store_tile(dq, b * sdq_b + t * sdq_t + heads * sdq_h, gmask, acc * scale, DK, DKP)
 
 
@@ -526,9 +623,12 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
 
 def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
                             scale: float, cu_seqlens: Optional[Tensor] = None, *,
-                            cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                            cu_seqlens_k: Optional[Tensor] = None,
+                            tma: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32; rows that see nothing: o = 0, lse = -inf.
-    k/v may be longer than q: queries sit at the end of their keys (cu_seqlens_k for varlen)."""
+    k/v may be longer than q: queries sit at the end of their keys (cu_seqlens_k for varlen).
+    tma: read K/V through TMA descriptors (None: where `_tma_loads` allows; the CPU tests force
+    it under the Triton interpreter)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     H, Dv = k.shape[2], v.shape[3]
@@ -540,11 +640,15 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
+    constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype)
+    tma = _tma_loads(tma, k, v, sel_block, constants["BN"])
+    kv = _tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
+        else (k, v)
     launch(_fwd_kernel)[(T, B * H)](
-        q, k, v, o, lse, bidx, *queries.kernel_args(bidx),
+        q, k, v, *kv, o, lse, bidx, *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        T, n, scale * math.log2(math.e), IS_VARLEN=queries.varlen,
-        **forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype), **_per_token_launch("fwd"))
+        T, n, scale * math.log2(math.e), IS_VARLEN=queries.varlen, TMA=tma, **constants,
+        **_per_token_launch("fwd_tma" if tma else "fwd"))
     return o, lse
 
 

@@ -19,6 +19,14 @@ def unit_last_stride(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def tma_layout(x: Tensor) -> bool:
+    """Whether a TMA descriptor can describe x: unit last stride, the other strides non-zero
+    multiples of 16 bytes, a 16-byte aligned start (cuTensorMapEncodeTiled's rules)."""
+    if x.stride(-1) != 1 or x.data_ptr() % 16:
+        return False
+    return all(s > 0 and s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision: fp32 inputs get true fp32 dots (no tf32), so the kernels match
     the reference to ~1e-6; 16-bit inputs ignore the setting."""

@@ -49,11 +49,12 @@ KEYS
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
-        Q, K, V, BIDX, CU_Q, CU_K, OFF, NSEQ, b, t, h,
+        Q, K, V, K, V, BIDX, CU_Q, CU_K, OFF, NSEQ, b, t, h,
         {{stride("Q", 0)}}, {{stride("Q", 1)}}, {{stride("Q", 2)}},
         {{stride("K", 0)}}, {{stride("K", 1)}}, {{stride("K", 2)}},
         {{stride("V", 0)}}, {{stride("V", 1)}}, {{stride("V", 2)}},
-        T, NSLOTS, QK_SCALE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC)
+        T, NSLOTS, QK_SCALE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC,
+        False)
     lse_off = b * {{stride("LSE", 0)}} + t * {{stride("LSE", 1)}} + heads * {{stride("LSE", 2)}}
     tl.store(LSE + lse_off, lse_row, mask=gmask)
     idx_b = b

@@ -116,10 +116,10 @@ CASES = [
 ]
 
 
-def run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, cu_seqlens=None):
+def run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, cu_seqlens=None, tma=None):
     scale = q.shape[-1] ** -0.5
     gen = torch.Generator().manual_seed(2)
-    o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, cu_seqlens)
+    o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, cu_seqlens, tma=tma)
     do = torch.randn(o.shape, generator=gen).to(dtype)
     dlse = torch.randn(lse.shape, generator=gen) if with_dlse else None
     dq, dk, dv = selection_attention_bwd(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
@@ -156,6 +156,53 @@ def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, w
     run_case(q, k, v, block_idx, sel_block, dtype, with_dlse)
 
 
+# The forward's TMA loads (sm90+ GPUs pick them; the interpreter runs them when asked): whole
+# boxes, no row mask, the query's own partial tile from masked loads; the cases cover blocks of several tiles
+# (l' = 48, 96, 128), empty and repeated slots, strided views, varlen (below) and fp16
+TMA_CASES = [CASES[i] for i in (1, 2, 4, 6, 9, 10)]
+
+
+def test_selection_tma_refuses_partial_tiles():
+    q, k, v = make_qkv(1, 40, 1, 2, 16, 16, torch.float32)
+    block_idx = random_block_idx(1, 40, 1, 2, 24)
+    with pytest.raises(ValueError, match="tma=True: sel_block=24"):
+        selection_attention_fwd(q, k, v, block_idx, 24, 0.25, tma=True)
+
+
+@pytest.mark.parametrize("B,T,H,G,Dk,Dv,sel_block,n,dtype,selection,with_dlse,extra", TMA_CASES)
+def test_selection_kernels_tma(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, with_dlse,
+                               extra, poisoned_empty):
+    q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype, strided=extra == "strided")
+    if selection == "spec":
+        block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5)
+    else:
+        block_idx = random_block_idx(B, T, H, n, sel_block)
+    if selection == "set":
+        block_idx = as_set(block_idx)
+    run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, tma=True)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_selection_future_keys_unread(tma, poisoned_empty):
+    """Keys a query may not see never reach its sums, even non-finite ones: NaN keys and values
+    from token CUT on leave o, lse and dq of the earlier queries bitwise as with finite ones
+    (their blocks run past CUT; the forced local blocks always do)."""
+    T, H, G, D, sel_block, n, CUT = 80, 1, 2, 16, 32, 3, 45
+    q, k, v = make_qkv(1, T, H, G, D, D, torch.float32, seed=4)
+    block_idx = random_block_idx(1, T, H, n, sel_block, seed=5)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
+    results = []
+    for future in (0.5, float("nan")):
+        kf, vf = k.clone(), v.clone()
+        kf[:, CUT:], vf[:, CUT:] = future, future
+        o, lse = selection_attention_fwd(q, kf, vf, block_idx, sel_block, 0.25, tma=tma)
+        dq, _, _ = selection_attention_bwd(q, kf, vf, o, lse, do, None, block_idx, sel_block,
+                                           0.25)
+        results.append([x[:, :CUT] for x in (o, lse, dq)])
+    for name, a, b in zip(("o", "lse", "dq"), *results):
+        assert not torch.isnan(b).any() and torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[9]], ids=["fp32-l16", "fp32-l48"])
 def test_selection_kernels_ordered(case, monkeypatch, poisoned_empty, deterministic):
     """Deterministic mode (kernels/ordered.py): the chunks of a block add in chunk order, with
@@ -166,8 +213,8 @@ def test_selection_kernels_ordered(case, monkeypatch, poisoned_empty, determinis
     run_case(q, k, v, random_block_idx(B, T, H, n, sel_block), sel_block, dtype, with_dlse)
 
 
-@pytest.mark.parametrize("selection", ["spec", "random"])
-def test_selection_kernels_varlen(selection, poisoned_empty):
+@pytest.mark.parametrize("selection,tma", [("spec", None), ("random", None), ("random", True)])
+def test_selection_kernels_varlen(selection, tma, poisoned_empty):
     cu_seqlens = torch.tensor([0, 21, 60, 97], dtype=torch.int32)
     T, H, G, Dk, Dv, sel_block, n = 97, 1, 2, 32, 16, 16, 3
     q, k, v = make_qkv(1, T, H, G, Dk, Dv, torch.float32, seed=3)
@@ -175,7 +222,7 @@ def test_selection_kernels_varlen(selection, poisoned_empty):
         block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5, cu_seqlens)
     else:
         block_idx = random_block_idx(1, T, H, n, sel_block, cu_seqlens)
-    run_case(q, k, v, block_idx, sel_block, torch.float32, True, cu_seqlens)
+    run_case(q, k, v, block_idx, sel_block, torch.float32, True, cu_seqlens, tma=tma)
 
 
 # --------------------------------------------------------------------------------------------
