@@ -36,5 +36,6 @@ def main():
             print(f"T={T} {kernel} (num_warps, num_stages)={cfg}: {bench(fn):.2f} ms", flush=True)
         S._PER_TOKEN_PICK = picked
 
+
 if __name__ == "__main__":
     main()

@@ -129,6 +129,22 @@ def _slot_block(row, kept, s, NP: tl.constexpr):
 
 
 @triton.jit
+def _tile_keys(row, kept, it, start, last, SEL: tl.constexpr, BN: tl.constexpr,
+               NP: tl.constexpr):
+    """(first key, keys [BN], visible mask) of step `it` of the per-token walk over (slot, key
+    tile); an empty slot (-1) points past the query, so the causal mask closes it."""
+    NSUB: tl.constexpr = (SEL + BN - 1) // BN
+    blk = _slot_block(row, kept, it // NSUB, NP)
+    sub = (it % NSUB) * BN
+    first = tl.where(blk >= 0, start + blk * SEL, last + 1) + sub
+    toks = first + tl.arange(0, BN)
+    kmask = toks <= last
+    if SEL % BN != 0:  # the block's last tile runs past its end
+        kmask = kmask & (sub + tl.arange(0, BN) < SEL)
+    return first, toks, kmask
+
+
+@triton.jit
 def _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, DK: tl.constexpr,
               DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
     """The K [BN, DKP] and V [BN, DVP] rows of keys toks of head h; zero outside kmask."""
@@ -285,14 +301,7 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
     # one flat loop over (slot, key tile)
     for it in range(n_walk * NSUB):
-        blk = _slot_block(row, kept, it // NSUB, NP)
-        sub = (it % NSUB) * BN
-        # an empty slot (-1) points past the query, so the causal mask closes it
-        first = tl.where(blk >= 0, start + blk * SEL, last + 1) + sub
-        toks = first + tl.arange(0, BN)
-        kmask = toks <= last
-        if SEL % BN != 0:  # the block's last tile runs past its end
-            kmask = kmask & (sub + tl.arange(0, BN) < SEL)
+        first, toks, kmask = _tile_keys(row, kept, it, start, last, SEL, BN, NP)
         if TMA:  # (only where BN divides SEL: `_tma_loads`)
             whole, kt, vt = _tma_tiles(kd, vd, b, first, h, start, last, BN, DKP, DVP)
             kmask = tl.where(whole, kmask, False)
@@ -370,13 +379,7 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, cu_q, cu_k, OFF, NSEQ
     acc = tl.zeros([GP, DKP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
     for it in range(n_walk * NSUB):
-        blk = _slot_block(row, kept, it // NSUB, NP)
-        sub = (it % NSUB) * BN
-        first = tl.where(blk >= 0, start + blk * SEL, last + 1) + sub
-        toks = first + tl.arange(0, BN)
-        kmask = toks <= last
-        if SEL % BN != 0:
-            kmask = kmask & (sub + tl.arange(0, BN) < SEL)
+        _, toks, kmask = _tile_keys(row, kept, it, start, last, SEL, BN, NP)
         kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
         acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)

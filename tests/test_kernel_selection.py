@@ -139,11 +139,8 @@ def run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, cu_seqlens=None, t
         assert_close(name, g, g_ref, dtype)
 
 
-@pytest.mark.parametrize("B,T,H,G,Dk,Dv,sel_block,n,dtype,selection,with_dlse,extra", CASES)
-def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, with_dlse, extra,
-                           monkeypatch, poisoned_empty):
-    if extra == "chunks":
-        monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
+def case_inputs(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, extra):
+    """(q, k, v, block_idx) of a CASES row."""
     q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype, strided=extra == "strided")
     if selection == "spec":
         block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5)
@@ -151,14 +148,24 @@ def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, w
         block_idx = random_block_idx(B, T, H, n, sel_block)
     if selection == "set":
         block_idx = as_set(block_idx)
+    return q, k, v, block_idx
+
+
+@pytest.mark.parametrize("B,T,H,G,Dk,Dv,sel_block,n,dtype,selection,with_dlse,extra", CASES)
+def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, with_dlse, extra,
+                           monkeypatch, poisoned_empty):
+    if extra == "chunks":
+        monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
+    q, k, v, block_idx = case_inputs(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, extra)
+    if selection == "set":
         assert (block_idx[..., :-1] < 0).any() and (block_idx[..., 0] >= 0).any()
     assert (block_idx < 0).any(), "cases must include empty slots"
     run_case(q, k, v, block_idx, sel_block, dtype, with_dlse)
 
 
 # The forward's TMA loads (sm90+ GPUs pick them; the interpreter runs them when asked): whole
-# boxes, no row mask, the query's own partial tile from masked loads; the cases cover blocks of several tiles
-# (l' = 48, 96, 128), empty and repeated slots, strided views, varlen (below) and fp16
+# boxes, no row mask, the query's own partial tile from masked loads; the cases cover blocks of
+# several tiles (l' = 48, 96, 128), empty and repeated slots, strided views, varlen (below), fp16
 TMA_CASES = [CASES[i] for i in (1, 2, 4, 6, 9, 10)]
 
 
@@ -172,13 +179,7 @@ def test_selection_tma_refuses_partial_tiles():
 @pytest.mark.parametrize("B,T,H,G,Dk,Dv,sel_block,n,dtype,selection,with_dlse,extra", TMA_CASES)
 def test_selection_kernels_tma(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, with_dlse,
                                extra, poisoned_empty):
-    q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype, strided=extra == "strided")
-    if selection == "spec":
-        block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5)
-    else:
-        block_idx = random_block_idx(B, T, H, n, sel_block)
-    if selection == "set":
-        block_idx = as_set(block_idx)
+    q, k, v, block_idx = case_inputs(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, extra)
     run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, tma=True)
 
 
