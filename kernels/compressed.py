@@ -393,6 +393,13 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
     q.k_cmp is computed once. With l > l' a block spans several selection blocks: each tile
     recomputes the HEAD = l/d - 1 blocks that start in earlier selection blocks, and `spill` is 0.
     The overlap weights are exact integer arithmetic on block extents.
+
+    Rows past a query's visible blocks start at or after (t - l + 2) rounded up to a multiple of
+    d, so with l <= l' + d their scores only reach the blocks a query is forced to take (its
+    current and previous ones), future ones it may not, and block 0 (the rows before the sequence
+    when l > l'): the per-element visibility mask, as costly as the exponentials, is left out
+    there. Padding rows score 0 through their lse2 = +inf, rows of other sequences (varlen) score
+    garbage the caller drops.
     """
     R: tl.constexpr = SEL // STRIDE
     HEAD: tl.constexpr = 0 if L <= SEL else L // STRIDE - 1
@@ -403,8 +410,10 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
         kr = j * R - HEAD + o  # block index inside the sequence
         k = _load_keys(k_ptr, base + kr, skn, DK, DK_PAD, (kr >= 0) & (kr < ncmp))
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        vis = rvalid[:, None] & (kr[None, :] >= 0) & (kr[None, :] < nvis[:, None])
-        p = tl.where(vis, tl.exp2(s - lse2[:, None]), 0.0)
+        p = tl.exp2(s - lse2[:, None])
+        if L > SEL + STRIDE:
+            p = tl.where(rvalid[:, None] & (kr[None, :] >= 0) & (kr[None, :] < nvis[:, None]),
+                         p, 0.0)
         if HEAD > 0:
             start = kr * STRIDE
             overlap = tl.minimum(start + L, (j + 1) * SEL) - tl.maximum(start, j * SEL)
@@ -459,8 +468,8 @@ def _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, 
     replaced by their top-n keys, descending.
 
     A running top-n over tiles of SB blocks, merged every MERGE tiles: no row ever holds all
-    its block scores, so no tile shape depends on the sequence length. Every allowed block (j * l' <= pos) takes part;
-    the ones past the last visible compressed block score 0."""
+    its block scores, so no tile shape depends on the sequence length. Every allowed block
+    (j * l' <= pos) takes part; the ones past the last visible compressed block score 0."""
     lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
     seq, _ = _token_pos(tok, T, SEQ, POS, VARLEN)
     rvalid = valid & (seq == seq_id)
@@ -545,7 +554,8 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
     hq = kvh * G + head
     q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
     lse = _row_stats(LSE + b * T * HQ, tok, hq, HQ, valid)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E
+    # +inf on padding rows (heads past G, tokens past T): _score_tile gives them p = 0 unmasked
+    lse2 = tl.where(valid, tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E, float("inf"))
     k_ptr = K + b * skb + kvh * skh
     t = t0 + tl.arange(0, TOK)
     seq_t, pos = _token_pos(t, T, SEQ, POS, VARLEN)
