@@ -87,9 +87,9 @@ def median_ms(fn, warmup_s=0.25, reps=10) -> float:
     """Median of reps synced calls after warmup_s seconds of calls (at least 3): a few calls of
     a 4 ms step left the GPU below its boost clock, and the first method measured at each length
     read up to 20% slow (H100, 8k tokens)."""
-    start = time.perf_counter()
+    warmup_start = time.perf_counter()
     calls = 0
-    while calls < 3 or time.perf_counter() - start < warmup_s:
+    while calls < 3 or time.perf_counter() - warmup_start < warmup_s:
         fn()
         torch.cuda.synchronize()
         calls += 1
