@@ -8,6 +8,11 @@ block named twice counts once, as in `nsa_ops.reference.selection_attention` /
 Forward and dq are group-centric: one program per (query token, batch * KV head) holds the G query
 heads of the group as one [GP, D] tile (GP >= 16 so tl.dot has M >= 16) and walks the token's
 selected blocks, so each K/V block is read once per group rather than once per query head.
+Block 0 and the two local blocks, which NSA forces on every query, would still be read once per
+query: where the forward reads K/V through TMA (sm90+, fixed length) a shared pass first attends
+them for groups of consecutive queries as one tile (`_shared_fwd_kernel`), and the per-token walk
+leaves them out and merges that pass's output last. H100, bf16, spec geometry: the forward 16.5
+-> 15.5-15.8 ms at T = 64k; the merge rounds the pass's output to o's dtype once more.
 
 dk/dv are key-centric: each K/V block must sum over every query that selected it, and block 0 and
 the local blocks are selected by (nearly) every query. Atomics from the per-token programs would add
@@ -87,16 +92,40 @@ def _query_keys(cu_q, cu_k, NSEQ, t):
 
 
 @triton.jit
+def _group_shared(bidx, b, h, base, OFF, T, N, H: tl.constexpr, SEL: tl.constexpr,
+                  TT: tl.constexpr, NP: tl.constexpr):
+    """Which blocks the shared pass (`_shared_fwd_kernel`) attends for the group of TT queries at
+    key positions base .. base + TT - 1 (fixed length; TT divides l', so they share selection
+    block c = base // l'): (block 0 when c >= 1, block c - 1 when c >= 2, block c), each only if
+    every query of the group inside [0, T) selected it, so that no query sees a block it did not
+    pick. NSA's forced blocks (0 and the two local ones) always qualify."""
+    toks = base - OFF + tl.arange(0, TT)
+    real = (toks >= 0) & (toks < T)
+    slots = tl.arange(0, NP)
+    blk = tl.load(bidx + (((b * T + toks) * H + h) * N)[:, None] + slots[None, :],
+                  mask=real[:, None] & (slots[None, :] < N), other=-1)
+    c = base // SEL
+    zero = tl.min(tl.where(real, tl.max((blk == 0).to(tl.int32), axis=1), 1), axis=0) > 0
+    prev = tl.min(tl.where(real, tl.max((blk == c - 1).to(tl.int32), axis=1), 1), axis=0) > 0
+    cur = tl.min(tl.where(real, tl.max((blk == c).to(tl.int32), axis=1), 1), axis=0) > 0
+    return zero & (c >= 1), prev & (c >= 2), cur
+
+
+@triton.jit
 def _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H: tl.constexpr,
-                  NP: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The query's block_idx row as a set, its sequence's first key and the key it sits at.
+                  NP: tl.constexpr, IS_VARLEN: tl.constexpr, SEL: tl.constexpr,
+                  TT: tl.constexpr):
+    """The query's block_idx row as a set, less what the shared pass covered, its sequence's
+    first key and the key it sits at.
 
     Returns (row: the row's pointer; kept: bit s set where slot s holds a block that no earlier
     slot names (-1 is empty), as an int64 for NP <= 64, else the [NP] vector of the slots' blocks
-    with -1 where not kept; the number of slots to walk, up to the last kept one; start; last:
-    the packed key position of query t, t + OFF for fixed length, where OFF = Tk - Tq puts
-    queries at the end of longer keys; varlen: from the offsets cu_q / cu_k of NSEQ sequences).
-    `_slot_block` reads slot s back.
+    with -1 where not kept; the slots to walk, first .. n_walk - 1, from the first kept one to the
+    last; start; last: the packed key position of query t, t + OFF for fixed length, where
+    OFF = Tk - Tq puts queries at the end of longer keys; varlen: from the offsets cu_q / cu_k of
+    NSEQ sequences; done: the last key of the query's own block the shared pass attended, -1
+    where it did not). TT > 0 (fixed length): the shared pass over groups of TT queries ran
+    (`_group_shared`), its blocks are not kept. `_slot_block` reads slot s back.
     """
     row = bidx + ((b * T + t) * H + h) * N
     slots = tl.arange(0, NP)
@@ -104,17 +133,25 @@ def _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H: tl.constexpr,
     repeat = tl.sum(((blk[:, None] == blk[None, :]) & (slots[None, :] < slots[:, None]))
                     .to(tl.int32), axis=1) > 0
     keep = (blk >= 0) & ~repeat
-    if NP <= 64:
-        kept = tl.sum(tl.where(keep, tl.full([NP], 1, tl.int64) << slots.to(tl.int64), 0), axis=0)
-    else:
-        kept = tl.where(keep, blk, -1)
-    n_walk = tl.max(tl.where(keep, slots + 1, 0), axis=0)
     if IS_VARLEN:
         start, last = _query_keys(cu_q, cu_k, NSEQ, t)
     else:
         start = tl.zeros([], tl.int64)
         last = t + OFF
-    return row, kept, n_walk, start, last
+    done = tl.full([], -1, tl.int64)
+    if TT > 0:
+        base = last // TT * TT
+        c = base // SEL
+        zero, prev, cur = _group_shared(bidx, b, h, base, OFF, T, N, H, SEL, TT, NP)
+        keep = keep & ~(((blk == 0) & zero) | ((blk == c - 1) & prev) | ((blk == c) & cur))
+        done = tl.where(cur, base, done)
+    if NP <= 64:
+        kept = tl.sum(tl.where(keep, tl.full([NP], 1, tl.int64) << slots.to(tl.int64), 0), axis=0)
+    else:
+        kept = tl.where(keep, blk, -1)
+    first_slot = tl.min(tl.where(keep, slots, NP), axis=0)
+    n_walk = tl.max(tl.where(keep, slots + 1, 0), axis=0)
+    return row, kept, first_slot, n_walk, start, last, done
 
 
 @triton.jit
@@ -174,17 +211,21 @@ def _tma_tiles(kd, vd, b, first, h, start, last, BN: tl.constexpr, DKP: tl.const
 
 
 @triton.jit
-def _edge_tile(row, N, start, last, SEL: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr):
+def _edge_tile(row, N, start, last, done, SEL: tl.constexpr, BN: tl.constexpr,
+               NP: tl.constexpr):
     """(keys, mask) of the tile that `_tma_tiles` leaves out: the [BN] tile holding the query's
-    own key when it reaches past it and the query selected its block; all masked otherwise."""
+    own key when it reaches past it and the query selected its block; with done >= 0 (the
+    shared pass attended the block's keys up to done) the keys after done; all masked
+    otherwise."""
     slots = tl.arange(0, NP)
     own = (last - start) // SEL
     picked = tl.sum((tl.load(row + slots, mask=slots < N, other=-1) == own).to(tl.int32),
                     axis=0) > 0
     first = start + (last - start) // BN * BN
     toks = first + tl.arange(0, BN)
-    # a vector & scalar-bool mask is mis-typed by the interpreter, hence the where
-    return toks, tl.where(picked & (first + BN - 1 > last), toks <= last, False)
+    # a vector & scalar-bool mask is mis-typed by the interpreter, hence the wheres
+    edge = tl.where(done >= 0, toks > done, picked & (first + BN - 1 > last))
+    return toks, tl.where(edge, toks <= last, False)
 
 
 @triton.jit
@@ -272,16 +313,57 @@ def _tma_descriptors(k: Tensor, v: Tensor, bn: int, dkp: int, dvp: int) -> tuple
             TensorDescriptor.from_tensor(v, [1, bn, 1, dvp]))
 
 
+# The shared pass (`_shared_fwd_kernel`): query rows per tile (queries of a group x the group's
+# heads padded to a power of two) and the (num_warps, num_stages) it launches with; measured on
+# an H100 (bf16, spec geometry, the whole forward at T = 8k / 16k / 64k): 64 rows at (4, 3)
+# 1.70 / 3.63 / 15.79 ms, at (4, 2) and (4, 1) 1.71-1.72 / 3.66-3.68 / 15.92-15.95, at (8, *)
+# 1.91-1.96 / 4.06-4.13 / 17.4-17.8; 128 and 256 rows 1.70-2.13 / 3.66-4.48 / 15.87-19.06.
+SHARED_ROWS = 64
+SHARED_CONFIGS = ((4, 3), (4, 2), (4, 1), (8, 2))
+_SHARED_PICK = (4, 3)
+
+
+def _shared_group(G: int, bn: int) -> int:
+    """Queries per group of the shared pass: enough to fill SHARED_ROWS rows, at most the
+    per-token kernel's key tile bn, so that a group's keys after its first lie in the one tile
+    the walk's `_edge_tile` reads (both powers of two: the group divides the tile)."""
+    return min(bn, max(1, SHARED_ROWS // pow2(G)))
+
+
+def _shared_reason(tma: bool, varlen: bool, G: int, bn: int) -> Optional[str]:
+    """Why the forward runs without the shared pass (None: it can run it)."""
+    if not tma:
+        return "the per-token walk reads K/V without TMA descriptors"
+    if varlen:
+        return "packed sequences (a group of queries could straddle two)"
+    if _shared_group(G, bn) < 2:
+        return f"G={G} query heads fill the shared pass's {SHARED_ROWS}-row tile alone"
+    return None
+
+
+def _shared_pass(shared: Optional[bool], reason: Optional[str], G: int, bn: int) -> int:
+    """Queries per group of the forward's shared pass, 0 without it. None: wherever it can run
+    (reason, `_shared_reason`, is None); True forces it (ValueError where it cannot), False
+    leaves it out."""
+    if shared and reason is not None:
+        raise ValueError(f"shared=True: {reason}")
+    return _shared_group(G, bn) if shared is not False and reason is None else 0
+
+
 @triton.jit
 def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
                        sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, T, N, qk_scale,
+                       o, so_b, so_t, so_h, lse,
                        H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                        BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                       PREC: tl.constexpr, TMA: tl.constexpr):
+                       PREC: tl.constexpr, TMA: tl.constexpr, TT: tl.constexpr):
     """Attention of the G query heads of (b, t, KV head h) over the token's selected blocks
     (cu_q, cu_k, OFF, NSEQ: see _token_blocks). With TMA, kd and vd are TMA descriptors of k and
-    v (`_tma_tiles`); without, they go unread.
+    v (`_tma_tiles`); without, they go unread. TT > 0 (TMA, fixed length): the shared pass
+    (`_shared_fwd_kernel`, groups of TT queries) left its normalised output and lse in o [B, T,
+    HQ, Dv] and lse [B, T, HQ]; the walk leaves out the blocks it covered and merges them last.
+    TT == 0: o, so_* and lse go unread.
 
     Returns the normalised output [GP, DVP] (fp32), lse [GP] (natural log, -inf for rows that saw
     nothing), the query-head indices and their mask. Shared by the eager forward kernel and the
@@ -291,8 +373,8 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
     gmask = g < G
     heads = h * G + g
     qt = _load_tile(q, b * sq_b + t * sq_t + heads * sq_h, gmask, DK, DKP)
-    row, kept, n_walk, start, last = _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H,
-                                                   NP, IS_VARLEN)
+    row, kept, first_slot, n_walk, start, last, done = _token_blocks(
+        bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, TT)
 
     # finite start for the running max: fully masked tiles then give exp2(-inf - m) = 0, no NaN
     m = tl.full([GP], -1e30, tl.float32)
@@ -300,7 +382,7 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
     acc = tl.zeros([GP, DVP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
     # one flat loop over (slot, key tile)
-    for it in range(n_walk * NSUB):
+    for it in range(first_slot * NSUB, n_walk * NSUB):
         first, toks, kmask = _tile_keys(row, kept, it, start, last, SEL, BN, NP)
         if TMA:  # (only where BN divides SEL: `_tma_loads`)
             whole, kt, vt = _tma_tiles(kd, vd, b, first, h, start, last, BN, DKP, DVP)
@@ -310,10 +392,20 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
                                DK, DV, DKP, DVP)
         m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
     if TMA:
-        toks, kmask = _edge_tile(row, N, start, last, SEL, BN, NP)
+        toks, kmask = _edge_tile(row, N, start, last, done, SEL, BN, NP)
         kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
         m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
+    if TT > 0:
+        # merge the shared pass's softmax: its max is its lse (base 2), its sum 1, its output o
+        lse0 = tl.load(lse + (b * T + t) * (H * G) + heads, mask=gmask, other=float("-inf"))
+        seen0 = lse0 > float("-inf")
+        m0 = tl.where(seen0, lse0 * LOG2E, -1e30)
+        o0 = _load_tile(o, b * so_b + t * so_t + heads * so_h, gmask, DV, DVP).to(tl.float32)
+        m_new = tl.maximum(m, m0)
+        alpha = tl.exp2(m - m_new)
+        alpha0 = tl.where(seen0, tl.exp2(m0 - m_new), 0.0)
+        m, l, acc = m_new, l * alpha + alpha0, acc * alpha[:, None] + o0 * alpha0[:, None]
 
     seen = l > 0
     l_safe = tl.where(seen, l, 1.0)
@@ -328,7 +420,7 @@ def _fwd_kernel(q, k, v, kd, vd, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                 BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                PREC: tl.constexpr, TMA: tl.constexpr):
+                PREC: tl.constexpr, TMA: tl.constexpr, TT: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
@@ -337,10 +429,62 @@ def _fwd_kernel(q, k, v, kd, vd, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
     h = (bh % H).to(tl.int64)
     out, lse_row, heads, gmask = selection_fwd_rows(
         q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-        sv_b, sv_t, sv_h, T, N, qk_scale, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC,
-        TMA)
+        sv_b, sv_t, sv_h, T, N, qk_scale, o, so_b, so_t, so_h, lse, H, G, GP, DK, DV, DKP, DVP,
+        SEL, BN, NP, IS_VARLEN, PREC, TMA, TT)
     _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, out, DV, DVP)
     tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
+
+
+@triton.jit
+def _shared_fwd_kernel(q, k, v, o, lse, bidx, OFF, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+                       sv_b, sv_t, sv_h, so_b, so_t, so_h, T, N, qk_scale,
+                       H: tl.constexpr, G: tl.constexpr, GPD: tl.constexpr, DK: tl.constexpr,
+                       DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                       SEL: tl.constexpr, BN: tl.constexpr, TT: tl.constexpr,
+                       NP: tl.constexpr, PREC: tl.constexpr):
+    """The shared pass of the forward (fixed length). NSA forces block 0 and the two local blocks
+    on every query, so the per-token walk would read them once per query: here one program per
+    (group of TT queries at consecutive key positions, batch * KV head) attends them with the
+    group's TT x G query rows as one tile, reading their K/V once per group. A group attends the
+    blocks all its queries selected (`_group_shared`), keys up to its first query's, which all
+    of them see. Writes the normalised o and lse (-inf: nothing attended), which the walk
+    (TT > 0) merges."""
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    base = (OFF // TT + tl.program_id(0).to(tl.int64)) * TT
+    r = tl.arange(0, TT * GPD)
+    toks = base - OFF + r // GPD
+    g = r % GPD
+    rmask = (toks >= 0) & (toks < T) & (g < G)
+    heads = h * G + g
+    qt = _load_tile(q, b * sq_b + toks * sq_t + heads * sq_h, rmask, DK, DKP)
+    zero, prev, cur = _group_shared(bidx, b, h, base, OFF, T, N, H, SEL, TT, NP)
+    c = base // SEL
+
+    m = tl.full([TT * GPD], -1e30, tl.float32)
+    l = tl.zeros([TT * GPD], tl.float32)
+    acc = tl.zeros([TT * GPD, DVP], tl.float32)
+    NSUB: tl.constexpr = (SEL + BN - 1) // BN
+    # (block 0, block c - 1, block c) x key tiles; masked loads: keys past the group's first
+    # query never reach a sum, not even non-finite ones
+    for it in range(3 * NSUB):
+        j = it // NSUB
+        blk = tl.where(j == 0, 0, tl.where(j == 1, c - 1, c))
+        on = tl.where(j == 0, zero, tl.where(j == 1, prev, cur))
+        offs = (it % NSUB) * BN + tl.arange(0, BN)
+        keys = blk * SEL + offs
+        kmask = tl.where(on, (keys <= base) & (offs < SEL), False)
+        kt, vt = _kv_tiles(k, v, b, keys, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                           DK, DV, DKP, DVP)
+        m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
+
+    seen = l > 0
+    l_safe = tl.where(seen, l, 1.0)
+    lse_row = tl.where(seen, (m + tl.log2(l_safe)) * LN2, float("-inf"))
+    _store_tile(o, b * so_b + toks * so_t + heads * so_h, rmask, acc / l_safe[:, None], DV, DVP)
+    tl.store(lse + (b * T + toks) * (H * G) + heads, lse_row, mask=rmask)
 
 
 @triton.jit
@@ -373,12 +517,12 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, cu_q, cu_k, OFF, NSEQ
         dlt -= tl.load(dlse + stat, mask=gmask, other=0.0)
     tl.store(delta + stat, dlt, mask=gmask)
     lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
-    row, kept, n_walk, start, last = _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H,
-                                                   NP, IS_VARLEN)
+    row, kept, first_slot, n_walk, start, last, _ = _token_blocks(
+        bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, 0)
 
     acc = tl.zeros([GP, DKP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
-    for it in range(n_walk * NSUB):
+    for it in range(first_slot * NSUB, n_walk * NSUB):
         _, toks, kmask = _tile_keys(row, kept, it, start, last, SEL, BN, NP)
         kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
@@ -627,14 +771,16 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
 def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
                             scale: float, cu_seqlens: Optional[Tensor] = None, *,
                             cu_seqlens_k: Optional[Tensor] = None,
-                            tma: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+                            tma: Optional[bool] = None,
+                            shared: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32; rows that see nothing: o = 0, lse = -inf.
     k/v may be longer than q: queries sit at the end of their keys (cu_seqlens_k for varlen).
     tma: read K/V through TMA descriptors (None: where `_tma_loads` allows; the CPU tests force
-    it under the Triton interpreter)."""
+    it under the Triton interpreter). shared: run the shared pass first (`_shared_fwd_kernel`;
+    None: where `_shared_pass` allows)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
-    H, Dv = k.shape[2], v.shape[3]
+    Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     n = block_idx.shape[3]
     o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
@@ -642,15 +788,27 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
         return o, lse.fill_(float("-inf"))
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     bidx = block_idx.to(torch.int32).contiguous()
-    queries = _Queries(T, k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
+    queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype)
     tma = _tma_loads(tma, k, v, sel_block, constants["BN"])
+    group = _shared_pass(shared, _shared_reason(tma, queries.varlen, HQ // H, constants["BN"]),
+                         HQ // H, constants["BN"])
+    qk_scale = scale * math.log2(math.e)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
+    if group:
+        off = Tk - T
+        num_groups = (T - 1 + off) // group - off // group + 1
+        shared_constants = dict(constants, BN=_key_tile(sel_block, 64), GPD=pow2(HQ // H))
+        del shared_constants["GP"]
+        num_warps, num_stages = _SHARED_PICK
+        launch(_shared_fwd_kernel)[(num_groups, B * H)](
+            q, k, v, o, lse, bidx, off, *strides, T, n, qk_scale, TT=group, **shared_constants,
+            num_warps=num_warps, num_stages=num_stages)
     kv = _tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
         else (k, v)
     launch(_fwd_kernel)[(T, B * H)](
-        q, k, v, *kv, o, lse, bidx, *queries.kernel_args(bidx),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        T, n, scale * math.log2(math.e), IS_VARLEN=queries.varlen, TMA=tma, **constants,
+        q, k, v, *kv, o, lse, bidx, *queries.kernel_args(bidx), *strides, T, n, qk_scale,
+        IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
         **_per_token_launch("fwd_tma" if tma else "fwd"))
     return o, lse
 

@@ -53,8 +53,8 @@ KEYS
         {{stride("Q", 0)}}, {{stride("Q", 1)}}, {{stride("Q", 2)}},
         {{stride("K", 0)}}, {{stride("K", 1)}}, {{stride("K", 2)}},
         {{stride("V", 0)}}, {{stride("V", 1)}}, {{stride("V", 2)}},
-        T, NSLOTS, QK_SCALE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP, IS_VARLEN, PREC,
-        False)
+        T, NSLOTS, QK_SCALE, Q, 0, 0, 0, LSE, H, G, GP, DK, DV, DKP, DVP, SEL, BN, NP,
+        IS_VARLEN, PREC, False, 0)
     lse_off = b * {{stride("LSE", 0)}} + t * {{stride("LSE", 1)}} + heads * {{stride("LSE", 2)}}
     tl.store(LSE + lse_off, lse_row, mask=gmask)
     idx_b = b

@@ -183,20 +183,66 @@ def test_selection_kernels_tma(B, T, H, G, Dk, Dv, sel_block, n, dtype, selectio
     run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, tma=True)
 
 
-@pytest.mark.parametrize("tma", [False, True])
-def test_selection_future_keys_unread(tma, poisoned_empty):
+# The forward's shared pass (fixed length, TMA): groups of queries attend the blocks they all
+# picked among block 0 and the two local ones as one tile first. (B, Tk, Tq, H, G, Dk, Dv, l',
+# n, dtype, drop): block_idx as NSA selects it over the Tk keys, the last Tq rows (queries at an
+# offset), a fraction `drop` of rows losing one forced block (groups that do not all share it),
+# slots shuffled. G = 16 / 4 / 1 make groups of 8 / 16 / 16 queries.
+SHARED_CASES = [
+    (1, 97, 97, 1, 4, 32, 16, 16, 4, torch.float32, 0.0),
+    (2, 90, 61, 2, 2, 16, 16, 32, 3, torch.float16, 0.3),
+    (1, 80, 80, 1, 16, 16, 16, 16, 3, torch.float32, 0.1),
+    (1, 70, 33, 1, 1, 16, 8, 16, 3, torch.float32, 0.2),
+]
+
+
+@pytest.mark.parametrize("B,Tk,Tq,H,G,Dk,Dv,sel_block,n,dtype,drop", SHARED_CASES)
+def test_selection_shared_pass(B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, drop,
+                               poisoned_empty):
+    q, k, v = make_qkv(B, Tk, H, G, Dk, Dv, dtype, seed=7)
+    block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5)
+    q, block_idx = q[:, Tk - Tq:], block_idx[:, Tk - Tq:]
+    gen = torch.Generator().manual_seed(8)
+    pos = torch.arange(Tk - Tq, Tk)[None, :, None, None]
+    forced = (block_idx == 0) | (block_idx == pos // sel_block) | \
+        (block_idx == pos // sel_block - 1)
+    victim = forced & (torch.rand(block_idx.shape, generator=gen) < drop / 3)
+    block_idx = as_set(torch.where(victim, -1, block_idx))
+    scale = Dk ** -0.5
+    o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, tma=True, shared=True)
+    o_ref, lse_ref = ref.selection_attention(q.double(), k.double(), v.double(), block_idx,
+                                             sel_block, scale)
+    assert_close("o", o, o_ref, dtype)
+    assert_lse(lse, lse_ref, dtype)
+
+
+def test_selection_shared_pass_refuses():
+    q, k, v = make_qkv(1, 40, 1, 2, 16, 16, torch.float32)
+    block_idx = random_block_idx(1, 40, 1, 2, 16)
+    with pytest.raises(ValueError, match="shared=True: the per-token walk reads K/V without TMA"):
+        selection_attention_fwd(q, k, v, block_idx, 16, 0.25, tma=False, shared=True)
+    cu_seqlens = torch.tensor([0, 15, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="shared=True: packed sequences"):
+        selection_attention_fwd(q, k, v, block_idx, 16, 0.25, cu_seqlens, tma=True, shared=True)
+
+
+@pytest.mark.parametrize("tma,shared", [(False, False), (True, False), (True, True)])
+def test_selection_future_keys_unread(tma, shared, poisoned_empty):
     """Keys a query may not see never reach its sums, even non-finite ones: NaN keys and values
     from token CUT on leave o, lse and dq of the earlier queries bitwise as with finite ones
-    (their blocks run past CUT; the forced local blocks always do)."""
-    T, H, G, D, sel_block, n, CUT = 80, 1, 2, 16, 32, 3, 45
+    (their blocks run past CUT; the forced local blocks always do, and the shared pass's groups
+    straddle it)."""
+    T, H, G, D, sel_block, n, CUT = 80, 1, 2, 16, 32, 4, 45
     q, k, v = make_qkv(1, T, H, G, D, D, torch.float32, seed=4)
-    block_idx = random_block_idx(1, T, H, n, sel_block, seed=5)
+    score = torch.rand(1, T, H, -(-T // sel_block), generator=torch.Generator().manual_seed(5))
+    block_idx = ref.topn_blocks(score, torch.arange(T), sel_block, n)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
     results = []
     for future in (0.5, float("nan")):
         kf, vf = k.clone(), v.clone()
         kf[:, CUT:], vf[:, CUT:] = future, future
-        o, lse = selection_attention_fwd(q, kf, vf, block_idx, sel_block, 0.25, tma=tma)
+        o, lse = selection_attention_fwd(q, kf, vf, block_idx, sel_block, 0.25, tma=tma,
+                                         shared=shared)
         dq, _, _ = selection_attention_bwd(q, kf, vf, o, lse, do, None, block_idx, sel_block,
                                            0.25)
         results.append([x[:, :CUT] for x in (o, lse, dq)])
