@@ -11,8 +11,9 @@ selected blocks, so each K/V block is read once per group rather than once per q
 Block 0 and the two local blocks, which NSA forces on every query, would still be read once per
 query: where the forward reads K/V through TMA (sm90+, fixed length) a shared pass first attends
 them for groups of consecutive queries as one tile (`_shared_fwd_kernel`), and the per-token walk
-leaves them out and merges that pass's output last. H100, bf16, spec geometry: the forward 16.5
--> 15.5-15.8 ms at T = 64k; the merge rounds the pass's output to o's dtype once more.
+leaves them out and merges that pass's output last. H100, bf16, spec geometry, T = 64k: the
+forward 16.69 -> 15.43 ms (the walk 13.70 of it); the merge rounds the pass's output to o's dtype
+once more.
 
 dk/dv are key-centric: each K/V block must sum over every query that selected it, and block 0 and
 the local blocks are selected by (nearly) every query. Atomics from the per-token programs would add
@@ -315,7 +316,8 @@ def _tma_descriptors(k: Tensor, v: Tensor, bn: int, dkp: int, dvp: int) -> tuple
 
 # The shared pass (`_shared_fwd_kernel`): query rows per tile (queries of a group x the group's
 # heads padded to a power of two) and the (num_warps, num_stages) it launches with; measured on
-# an H100 (bf16, spec geometry, the whole forward at T = 8k / 16k / 64k): 64 rows at (4, 3)
+# an H100 (bf16, spec geometry, the whole selection forward at T = 8k / 16k / 64k, in a build
+# whose walk started from the pass's output instead of merging it last): 64 rows at (4, 3)
 # 1.70 / 3.63 / 15.79 ms, at (4, 2) and (4, 1) 1.71-1.72 / 3.66-3.68 / 15.92-15.95, at (8, *)
 # 1.91-1.96 / 4.06-4.13 / 17.4-17.8; 128 and 256 rows 1.70-2.13 / 3.66-4.48 / 15.87-19.06.
 SHARED_ROWS = 64
@@ -341,10 +343,10 @@ def _shared_reason(tma: bool, varlen: bool, G: int, bn: int) -> Optional[str]:
     return None
 
 
-def _shared_pass(shared: Optional[bool], reason: Optional[str], G: int, bn: int) -> int:
+def _shared_pass(shared: Optional[bool], tma: bool, varlen: bool, G: int, bn: int) -> int:
     """Queries per group of the forward's shared pass, 0 without it. None: wherever it can run
-    (reason, `_shared_reason`, is None); True forces it (ValueError where it cannot), False
-    leaves it out."""
+    (`_shared_reason`); True forces it (ValueError where it cannot), False leaves it out."""
+    reason = _shared_reason(tma, varlen, G, bn)
     if shared and reason is not None:
         raise ValueError(f"shared=True: {reason}")
     return _shared_group(G, bn) if shared is not False and reason is None else 0
@@ -791,8 +793,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype)
     tma = _tma_loads(tma, k, v, sel_block, constants["BN"])
-    group = _shared_pass(shared, _shared_reason(tma, queries.varlen, HQ // H, constants["BN"]),
-                         HQ // H, constants["BN"])
+    group = _shared_pass(shared, tma, queries.varlen, HQ // H, constants["BN"])
     qk_scale = scale * math.log2(math.e)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
     if group:

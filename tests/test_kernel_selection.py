@@ -187,7 +187,7 @@ def test_selection_kernels_tma(B, T, H, G, Dk, Dv, sel_block, n, dtype, selectio
 # picked among block 0 and the two local ones as one tile first. (B, Tk, Tq, H, G, Dk, Dv, l',
 # n, dtype, drop): block_idx as NSA selects it over the Tk keys, the last Tq rows (queries at an
 # offset), a fraction `drop` of rows losing one forced block (groups that do not all share it),
-# slots shuffled. G = 16 / 4 / 1 make groups of 8 / 16 / 16 queries.
+# slots shuffled. G = 4 / 2 / 16 / 1 make groups of 16 / 32 / 4 / 16 queries.
 SHARED_CASES = [
     (1, 97, 97, 1, 4, 32, 16, 16, 4, torch.float32, 0.0),
     (2, 90, 61, 2, 2, 16, 16, 32, 3, torch.float16, 0.3),
