@@ -18,6 +18,9 @@ NSA_OPS_LOG             "info": log, on the `nsa_ops` logger, which implementati
 NSA_OPS_PARITY          "1", or a fraction such as "0.1": recompute every round(1/fraction)-th
                         forward call of each op with the reference and log the error, warning above
                         nsa_ops.observe.TOLERANCE. Syncs the device on each checked call.
+NSA_OPS_EAGER_LAYER     "0": nsa_ops.nsa_attention runs through the torch.ops.nsa ops in eager mode
+                        too, an autograd node per op, instead of as one node over the ops' bodies
+                        (nsa_ops.eager): the same computation, more host time per call.
 TRITON_INTERPRET        Triton's own: "1" (before triton is imported) runs Triton kernels on CPU
                         tensors in its interpreter; a forced Triton row then serves CPU tensors.
                         python -m nsa_ops sets it where there is no CUDA.
@@ -30,7 +33,8 @@ import os
 from typing import Optional
 
 VARIABLES = ("NSA_OPS_FORCE_IMPL", "NSA_OPS_FORCE_IMPL_<OP>", "NSA_OPS_CHECK_VALUES",
-             "NSA_OPS_LOG", "NSA_OPS_PARITY", "NSA_OPS_ROUTING", "TRITON_INTERPRET", "NSA_COMMIT")
+             "NSA_OPS_LOG", "NSA_OPS_PARITY", "NSA_OPS_ROUTING", "NSA_OPS_EAGER_LAYER",
+             "TRITON_INTERPRET", "NSA_COMMIT")
 
 
 def forced_impl(op: str) -> Optional[tuple[str, str]]:
@@ -57,6 +61,11 @@ def interpret_triton() -> None:
 
 def check_values() -> bool:
     return os.environ.get("NSA_OPS_CHECK_VALUES", "0") == "1"
+
+
+def eager_layer() -> bool:
+    """Whether nsa_attention may run as one autograd node in eager mode (nsa_ops.eager)."""
+    return os.environ.get("NSA_OPS_EAGER_LAYER", "1") != "0"
 
 
 def log_level() -> Optional[str]:

@@ -5,7 +5,7 @@ from typing import Callable, Optional, Union
 
 from torch import Tensor
 
-from . import ops, reference
+from . import eager, ops, reference
 from . import validation as check
 
 # phi maps tokens [B,T,H,D] to compressed rows [B,rows,H,D], the emitted ones or the padded
@@ -74,15 +74,23 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     phi_k, phi_v = _resolve_phi(phi)
 
     seqs = dict(cu_seqlens=cu_q) if cu_k is None else dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    # keys compress over their own sequences; the ops place the queries at their ends
+    cu_keys = cu_q if cu_k is None else cu_k
+    offset = cu_q is None and k.shape[1] != q.shape[1]
+    cmp_keys = dict(seqs, seqlen_k=k.shape[1]) if offset else seqs
+    if eager.serves(phi_k, phi_v, [q, k, v, g_cmp, g_slc, g_win, block_idx, cu_q, cu_k]):
+        plan = eager.Plan(block_len, block_stride, sel_block, num_sel, window, scale, seqs,
+                          cmp_keys, cu_keys)
+        o, block_idx = eager.nsa_attention(plan, q, k, v, g_cmp, g_slc, g_win, block_idx)
+        if on_block_idx is not None:
+            on_block_idx(block_idx)
+        return o
+
     # the window first: it needs no compression, so the GPU starts a long kernel while the host
     # pools k and v and prepares the next launches (8k tokens on an H100: the GPU idled ~0.3 ms)
     o_win = ops.sliding_window_attention(q, k, v, window, scale, **seqs)[0] if window else None
-    # keys compress over their own sequences; the ops place the queries at their ends
-    cu_keys = cu_q if cu_k is None else cu_k
     k_cmp = phi_k(k, block_len, block_stride, cu_keys)
     v_cmp = phi_v(v, block_len, block_stride, cu_keys)
-    offset = cu_q is None and k.shape[1] != q.shape[1]
-    cmp_keys = dict(seqs, seqlen_k=k.shape[1]) if offset else seqs
     o_cmp, lse_cmp = ops.compressed_attention(q, k_cmp, v_cmp, block_len, block_stride, scale,
                                               **cmp_keys)
     if block_idx is None:

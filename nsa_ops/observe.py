@@ -1,6 +1,7 @@
 """Seeing what runs: which implementation serves each op and why, and how far it is from the
 reference. torch.profiler needs nothing from here: every torch.ops.nsa op, backward ops included,
-goes through the dispatcher, which records it under its name (nsa::selection_attention, ...).
+goes through the dispatcher, which records it under its name (nsa::selection_attention, ...), and
+nsa_attention's eager path (nsa_ops.eager), which runs the ops' bodies, records the same names.
 
 Logging, on the `nsa_ops` logger: at INFO, the first time each (op, impl, dtype, device type)
 runs, the implementation that served it and why every row ahead of it in the routing table

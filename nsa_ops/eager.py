@@ -1,0 +1,162 @@
+"""nsa_attention's eager path: the whole layer as one autograd node over the ops' own bodies.
+
+Through torch.ops.nsa.*, each op of a layer pays torch's custom-op dispatch and, with grad, an
+autograd node of its own: on the H100 machine's host (T = 2048) 200-570 us per op call with grad,
+against 80-220 us for the routed implementation call (`ops._call`). At 8k tokens the GPU then
+waits on the host: a forward+backward step took 11.05-11.60 ms from an idle GPU against 10.10 ms
+enqueued behind a GPU sleep. Here one torch.autograd.Function runs the same bodies
+(`CustomOpDef._init_fn`: validation, the routing table's choice, the implementation, logging and
+parity checks) in the same order, and its backward runs the backward ops' bodies and sums the
+branches' gradients: 8k 11.05 / 11.38 -> 10.78 / 10.72 ms, 64k 117.55 / 117.03 -> 116.83 /
+116.81, 16k unchanged at 22.2 (one run, two readings each; what is left at 16k is the ~0.7 ms
+before the first kernel starts).
+
+It serves only where nothing could tell it from the ops: eager calls on plain tensors, no
+torch.compile, export, FakeTensor, DTensor, dispatch or function modes or functorch transforms,
+and the built-in mean pooling as phi (whose backward it takes from autograd; a learnable phi
+keeps the ops, so its parameters get their gradients the usual way). The torch profiler still
+sees each op by its name (nsa::selection_attention, nsa::selection_attention_backward, ...).
+NSA_OPS_EAGER_LAYER=0 turns it off (nsa_ops.env).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from . import env, ops, reference, routing
+
+
+class Plan(NamedTuple):
+    """The non-tensor arguments of one layer call, resolved by nsa_attention."""
+    block_len: int
+    block_stride: int
+    sel_block: int
+    num_sel: int
+    window: int
+    scale: float
+    seqs: dict  # the window and selection ops' sequence arguments
+    cmp_keys: dict  # the compressed and select_blocks ops' (seqs, plus seqlen_k at an offset)
+    cu_keys: Optional[Tensor]  # the sequences phi pools over
+
+
+def serves(phi_k: Callable, phi_v: Callable, tensors: list[Optional[Tensor]]) -> bool:
+    """Whether the layer call can take this path (see the module docstring)."""
+    if not env.eager_layer():
+        return False
+    if phi_k is not reference.compress_mean or phi_v is not reference.compress_mean:
+        return False
+    if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+            or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    return all(t is None or type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def nsa_attention(plan: Plan, q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
+                  g_win: Optional[Tensor], block_idx: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(o, the block_idx the selection used)."""
+    return _Layer.apply(plan, q, k, v, g_cmp, g_slc, g_win, block_idx)
+
+
+@contextlib.contextmanager
+def _named(op: str):
+    """The op's name in a torch profiler trace, as the dispatcher would record it."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(f"nsa::{op}"):
+            yield
+    else:
+        yield
+
+
+def _pooled(x: Tensor, plan: Plan, grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """(phi(x), the detached x its autograd graph starts from, None without grad)."""
+    if not grad:
+        return reference.compress_mean(x, plan.block_len, plan.block_stride, plan.cu_keys), None
+    leaf = x.detach().requires_grad_()
+    with torch.enable_grad():
+        return reference.compress_mean(leaf, plan.block_len, plan.block_stride, plan.cu_keys), leaf
+
+
+class _Layer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: Plan, q, k, v, g_cmp, g_slc, g_win, block_idx):
+        grad = any(ctx.needs_input_grad)
+        o_win = lse_win = None
+        if plan.window:
+            with _named("sliding_window_attention"):
+                o_win, lse_win = ops.sliding_window_attention._init_fn(
+                    q, k, v, plan.window, plan.scale, **plan.seqs)
+        k_cmp, k_leaf = _pooled(k, plan, grad)
+        v_cmp, v_leaf = _pooled(v, plan, grad)
+        with _named("compressed_attention"):
+            o_cmp, lse_cmp = ops.compressed_attention._init_fn(
+                q, k_cmp.detach(), v_cmp.detach(), plan.block_len, plan.block_stride, plan.scale,
+                **plan.cmp_keys)
+        if block_idx is None:
+            with _named("select_blocks"):
+                block_idx = ops.select_blocks._init_fn(
+                    q, k_cmp.detach(), lse_cmp, plan.block_len, plan.block_stride,
+                    plan.sel_block, plan.num_sel, plan.scale, **plan.cmp_keys)
+        with _named("selection_attention"):
+            o_slc, lse_slc = ops.selection_attention._init_fn(
+                q, k, v, block_idx, plan.sel_block, plan.scale, **plan.seqs)
+        with _named("gate_combine"):
+            o = ops.gate_combine._init_fn(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+        ctx.mark_non_differentiable(block_idx)
+        if grad:
+            ctx.plan = plan
+            ctx.forces = routing.forces()
+            ctx.pooled = (k_cmp, v_cmp, k_leaf, v_leaf)
+            ctx.gate_grads = any(ctx.needs_input_grad[4:7])
+            ctx.save_for_backward(q, k, v, g_cmp, g_slc, g_win, o_cmp, lse_cmp, o_slc, lse_slc,
+                                  o_win, lse_win, block_idx)
+        return o, block_idx
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, _):
+        (q, k, v, g_cmp, g_slc, g_win, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win,
+         block_idx) = ctx.saved_tensors
+        plan, (k_cmp, v_cmp, k_leaf, v_leaf) = ctx.plan, ctx.pooled
+        cu_q, cu_k = _seqlens(plan.seqs)
+        with routing.force(**ctx.forces):
+            with _named("gate_combine_backward"):
+                do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_combine_backward._init_fn(
+                    do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads)
+            # the longest backward first: the GPU runs it while the host enqueues the rest
+            with _named("selection_attention_backward"):
+                dq, dk, dv = ops.selection_attention_backward._init_fn(
+                    q, k, v, o_slc, lse_slc, do_slc, None, block_idx, plan.sel_block,
+                    plan.scale, cu_q, cu_k)
+            with _named("compressed_attention_backward"):
+                dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
+                    q, k_cmp.detach(), v_cmp.detach(), o_cmp, lse_cmp, do_cmp, None,
+                    plan.block_len, plan.block_stride, plan.scale, cu_q, cu_k,
+                    plan.cmp_keys.get("seqlen_k"))
+            dq += dq_cmp
+            if plan.window:
+                with _named("sliding_window_attention_backward"):
+                    dq_win, dk_win, dv_win = ops.sliding_window_attention_backward._init_fn(
+                        q, k, v, o_win, lse_win, do_win, None, plan.window, plan.scale, cu_q,
+                        cu_k)
+                dq += dq_win
+                dk += dk_win
+                dv += dv_win
+        dk_pool, dv_pool = torch.autograd.grad((k_cmp, v_cmp), (k_leaf, v_leaf), (dk_cmp, dv_cmp))
+        dk += dk_pool
+        dv += dv_pool
+        gates = (dg_cmp, dg_slc, dg_win) if ctx.gate_grads else (None,) * 3
+        return (None, dq, dk, dv, *(d if need else None for d, need in
+                                    zip(gates, ctx.needs_input_grad[4:7])), None)
+
+
+def _seqlens(seqs: dict) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(cu_seqlens of the queries, of the keys when they differ) from the ops' arguments."""
+    if "cu_seqlens_q" in seqs:
+        return seqs["cu_seqlens_q"], seqs["cu_seqlens_k"]
+    return seqs.get("cu_seqlens"), None

@@ -1,0 +1,81 @@
+"""nsa_attention's eager path (nsa_ops.eager, one autograd node over the ops' bodies) against the
+same call through the torch.ops.nsa ops (NSA_OPS_EAGER_LAYER=0): the same outputs, gradients
+and selections, and the ops wherever the one node could be told apart from them."""
+import pytest
+import torch
+
+import nsa_ops
+from nsa_ops import reference as R
+from helpers import SMALL, cu_seqlens, gates, qkv
+
+# (Tq, Tk, window, gate grads, packed lengths, given block_idx)
+CASES = [
+    (64, 64, 16, True, None, False),
+    (64, 64, 0, True, None, False),
+    (64, 64, 24, False, None, False),
+    (40, 72, 16, True, None, False),
+    (72, 72, 16, True, (30, 42), False),
+    (64, 64, 16, True, None, True),
+]
+
+
+def _layer(monkeypatch, eager, Tq, Tk, window, gate_grad, lengths, given, phi="mean"):
+    monkeypatch.setenv("NSA_OPS_EAGER_LAYER", "1" if eager else "0")
+    q, k, v = qkv(1, Tk, 4, 2, 16, 16, requires_grad=True, seed=3)
+    q = q.detach()[:, Tk - Tq:].requires_grad_()
+    g = [x[:, :Tq].requires_grad_(gate_grad) for x in gates(1, Tk, 4, seed=4)]
+    kw = dict(SMALL, window=window, phi=phi)
+    if lengths is not None:
+        kw["cu_seqlens"] = cu_seqlens(lengths)
+    if given:
+        score = torch.rand(1, Tq, 2, -(-Tk // 16), generator=torch.Generator().manual_seed(5))
+        kw["block_idx"] = R.topn_blocks(score, torch.arange(Tk - Tq, Tk), 16, 3)
+    seen = []
+    o = nsa_ops.nsa_attention(q, k, v, *g, on_block_idx=seen.append, **kw)
+    o.backward(torch.randn(o.shape, generator=torch.Generator().manual_seed(6)))
+    return o, [q.grad, k.grad, v.grad, *(x.grad for x in g)], seen[0]
+
+
+@pytest.mark.parametrize("Tq,Tk,window,gate_grad,lengths,given", CASES)
+def test_eager_layer_matches_ops(monkeypatch, Tq, Tk, window, gate_grad, lengths, given):
+    o, grads, block_idx = _layer(monkeypatch, True, Tq, Tk, window, gate_grad, lengths, given)
+    assert type(o.grad_fn).__name__ == "_LayerBackward"  # the eager path ran
+    o_ops, grads_ops, block_idx_ops = _layer(monkeypatch, False, Tq, Tk, window, gate_grad,
+                                             lengths, given)
+    assert type(o_ops.grad_fn).__name__ != "_LayerBackward"
+    torch.testing.assert_close(o, o_ops, atol=0, rtol=0)
+    assert torch.equal(block_idx, block_idx_ops)
+    for name, got, want in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_win"), grads,
+                               grads_ops):
+        if want is None:
+            assert got is None, name
+        else:
+            # the branches' gradients are the same; only the order they are summed in may differ
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_eager_layer_leaves_learnable_phi_to_the_ops(monkeypatch):
+    phi = (nsa_ops.PhiMLP(16, 16), nsa_ops.PhiMLP(16, 16))
+    o, _, _ = _layer(monkeypatch, True, 48, 48, 16, True, None, False, phi=phi)
+    assert type(o.grad_fn).__name__ != "_LayerBackward"
+    assert all(p.grad is not None for m in phi for p in m.parameters())
+
+
+def test_eager_layer_steps_aside_for_function_modes(monkeypatch):
+    monkeypatch.setenv("NSA_OPS_EAGER_LAYER", "1")
+    q, k, v = qkv(1, 48, 4, 2, 16, 16, requires_grad=True)
+    with torch.device("cpu"):  # a TorchFunctionMode: it sees every op, as the ops let it
+        o = nsa_ops.nsa_attention(q, k, v, *gates(1, 48, 4), window=16, **SMALL)
+    assert type(o.grad_fn).__name__ != "_LayerBackward"
+
+
+def test_eager_layer_without_grad(monkeypatch):
+    monkeypatch.setenv("NSA_OPS_EAGER_LAYER", "1")
+    q, k, v = qkv(1, 48, 4, 2, 16, 16, requires_grad=True)
+    with torch.no_grad():
+        o = nsa_ops.nsa_attention(q, k, v, *gates(1, 48, 4), window=16, **SMALL)
+    monkeypatch.setenv("NSA_OPS_EAGER_LAYER", "0")
+    with torch.no_grad():
+        o_ops = nsa_ops.nsa_attention(q, k, v, *gates(1, 48, 4), window=16, **SMALL)
+    assert o.grad_fn is None
+    torch.testing.assert_close(o, o_ops, atol=0, rtol=0)
