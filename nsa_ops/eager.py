@@ -2,19 +2,21 @@
 
 Through torch.ops.nsa.*, each op of a layer pays torch's custom-op dispatch and, with grad, an
 autograd node of its own: on the H100 machine's host (T = 2048) 200-570 us per op call with grad,
-against 80-220 us for the routed implementation call (`ops._call`). At 8k tokens the GPU then
-waits on the host: a forward+backward step took 11.05-11.60 ms from an idle GPU against 10.10 ms
-enqueued behind a GPU sleep. Here one torch.autograd.Function runs the same bodies
-(`CustomOpDef._init_fn`: validation, the routing table's choice, the implementation, logging and
-parity checks) in the same order, and its backward runs the backward ops' bodies and sums the
-branches' gradients: 8k 11.05 / 11.38 -> 10.78 / 10.72 ms, 64k 117.55 / 117.03 -> 116.83 /
-116.81, 16k unchanged at 22.2 (one run, two readings each; what is left at 16k is the ~0.7 ms
-before the first kernel starts).
+against 80-220 us for the routed implementation call (`ops._call`), so at 8k tokens the GPU
+waited on the host. Here one torch.autograd.Function runs the same bodies (`CustomOpDef._init_fn`:
+validation, the routing table's choice, the implementation, logging and parity checks) in the
+same order, and its backward runs the backward ops' bodies and sums the branches' gradients
+itself: dq's three parts in one pass on CUDA (kernels/accumulate.py; autograd's two adds took
+2.09 ms at 64k), mean pooling's backward as `reference.compress_mean_backward` (autograd's unfold
+backward took 0.76 ms at 64k). H100, spec geometry, forward+backward from an idle GPU against
+NSA_OPS_EAGER_LAYER=0, two readings each in one run: 8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k
+23.20 / 23.26 -> 22.14 / 22.04, 64k 117.45 / 117.57 -> 115.71 / 116.72.
 
 It serves only where nothing could tell it from the ops: eager calls on plain tensors, no
 torch.compile, export, FakeTensor, DTensor, dispatch or function modes or functorch transforms,
-and the built-in mean pooling as phi (whose backward it takes from autograd; a learnable phi
-keeps the ops, so its parameters get their gradients the usual way). The torch profiler still
+and the built-in mean pooling as phi (a learnable phi keeps the ops, so its parameters get their
+gradients the usual way; packed sequences, or d not dividing l, take pooling's backward from
+autograd). The torch profiler still
 sees each op by its name (nsa::selection_attention, nsa::selection_attention_backward, ...).
 NSA_OPS_EAGER_LAYER=0 turns it off (nsa_ops.env).
 """
@@ -74,8 +76,9 @@ def _named(op: str):
 
 
 def _pooled(x: Tensor, plan: Plan, grad: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """(phi(x), the detached x its autograd graph starts from, None without grad)."""
-    if not grad:
+    """(phi(x), the detached x its autograd graph starts from, None where the backward needs
+    no graph: without grad, or where `reference.compress_mean_backward` serves)."""
+    if not grad or _explicit_pool_backward(plan):
         return reference.compress_mean(x, plan.block_len, plan.block_stride, plan.cu_keys), None
     leaf = x.detach().requires_grad_()
     with torch.enable_grad():
@@ -138,21 +141,45 @@ class _Layer(torch.autograd.Function):
                     q, k_cmp.detach(), v_cmp.detach(), o_cmp, lse_cmp, do_cmp, None,
                     plan.block_len, plan.block_stride, plan.scale, cu_q, cu_k,
                     plan.cmp_keys.get("seqlen_k"))
-            dq += dq_cmp
             if plan.window:
                 with _named("sliding_window_attention_backward"):
                     dq_win, dk_win, dv_win = ops.sliding_window_attention_backward._init_fn(
                         q, k, v, o_win, lse_win, do_win, None, plan.window, plan.scale, cu_q,
                         cu_k)
-                dq += dq_win
+                _add(dq, dq_cmp, dq_win)
                 dk += dk_win
                 dv += dv_win
-        dk_pool, dv_pool = torch.autograd.grad((k_cmp, v_cmp), (k_leaf, v_leaf), (dk_cmp, dv_cmp))
-        dk += dk_pool
-        dv += dv_pool
+            else:
+                dq += dq_cmp
+        dk += _pool_backward(dk_cmp, k, k_leaf, k_cmp, plan)
+        dv += _pool_backward(dv_cmp, v, v_leaf, v_cmp, plan)
         gates = (dg_cmp, dg_slc, dg_win) if ctx.gate_grads else (None,) * 3
         return (None, dq, dk, dv, *(d if need else None for d, need in
                                     zip(gates, ctx.needs_input_grad[4:7])), None)
+
+
+def _explicit_pool_backward(plan: Plan) -> bool:
+    """Whether mean pooling's backward is `reference.compress_mean_backward` rather than
+    autograd's (fixed length, d dividing l)."""
+    return plan.cu_keys is None and plan.block_len % plan.block_stride == 0
+
+
+def _pool_backward(grad: Tensor, x: Tensor, leaf: Optional[Tensor], pooled: Tensor,
+                   plan: Plan) -> Tensor:
+    """The gradient of x from that of phi(x) = pooled."""
+    if leaf is None:
+        return reference.compress_mean_backward(grad, x.shape[1], plan.block_len,
+                                                plan.block_stride)
+    return torch.autograd.grad(pooled, leaf, grad)[0]
+
+
+def _add(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out += a + b: in one pass on CUDA (kernels/accumulate.py), two torch adds elsewhere."""
+    if out.is_cuda and out.is_contiguous() and a.is_contiguous() and b.is_contiguous():
+        from nsa_ops.kernels.accumulate import add_into  # Triton: imported where it runs
+        add_into(out, a, b)
+    else:
+        out.add_(a).add_(b)
 
 
 def _seqlens(seqs: dict) -> tuple[Optional[Tensor], Optional[Tensor]]:

