@@ -3,8 +3,9 @@
     python bench/tune_window.py [--seqlen 65536] [geometry flags | --config FILE.yaml]
 
 Used to fill `_GPU_TILES` in kernels/window.py (bf16, at the geometry of bench/geometry.py: by
-default the spec's, D=128, the 256-byte row tier). Each row replaces one of that tier's three
-TileConfigs (forward, dK dV, dQ) and times the pass it belongs to.
+default the spec's, D=128, the 256-byte row tier). Each row replaces one of that tier's
+TileConfigs (the forward and dQ with pointer loads and with TMA loads (sm90+), dK dV) and times
+the pass it belongs to.
 """
 import triton
 import triton.testing
@@ -16,8 +17,12 @@ from bench_kernels import spec_inputs
 SWEEP = {
     "fwd": ((128, 32, 4, 3), (128, 32, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3),
             (64, 64, 4, 3), (256, 32, 8, 3)),
+    "fwd_tma": ((128, 64, 4, 2), (128, 32, 4, 4), (128, 32, 4, 3), (64, 64, 4, 3),
+                (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (256, 64, 8, 3)),
     "dkdv": ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2),
              (128, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 3)),
+    "dq_tma": ((128, 32, 4, 3), (128, 64, 4, 2), (128, 32, 4, 4), (64, 64, 4, 3),
+               (128, 64, 4, 3), (64, 32, 4, 3)),
     "dq": ((128, 32, 4, 3), (128, 32, 4, 2), (128, 32, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2),
            (128, 16, 4, 3), (256, 32, 8, 2)),
 }
@@ -45,15 +50,16 @@ def main():
         for cfg in variants:
             W._GPU_TILES = tuple(tiles[:tier]) + (
                 (limit, tuned._replace(**{kernel: W.TileConfig(*cfg)})),) + tuple(tiles[tier + 1:])
-            fn = (lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="triton")) \
-                if kernel == "fwd" else \
+            forward, tma = kernel.startswith("fwd"), kernel.endswith("_tma")
+            fn = (lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="triton", tma=tma)) \
+                if forward else \
                 (lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale,
-                                              backend="triton"))
+                                              backend="triton", tma=tma))
             try:
                 ms = f"{bench(fn):.2f} ms"
             except Exception as exc:  # out of shared memory / registers: report and go on
                 ms = type(exc).__name__
-            step = "forward" if kernel == "fwd" else "backward"
+            step = "forward" if forward else "backward"
             print(f"T={T} w={w} triton {kernel} {cfg}: {step} {ms}", flush=True)
         W._GPU_TILES = tuple(tiles)
 

@@ -34,11 +34,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import dot_precision, launch, pow2, tma_layout, unit_last_stride
+from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_engine,
+                                   tma_layout, unit_last_stride)
 from nsa_ops.reference import query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -199,8 +198,8 @@ def _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, DK: t
 def _tma_tiles(kd, vd, b, first, h, start, last, BN: tl.constexpr, DKP: tl.constexpr,
                DVP: tl.constexpr):
     """(whole, K, V): `_kv_tiles` of keys first .. first + BN - 1 through the TMA descriptors kd,
-    vd of k, v [B, Tk, H, D] (`_tma_descriptors`), whole when the query sees them all. A box has
-    no row mask, and a key past the query must never reach a sum, not even a non-finite one: a
+    vd of k, v [B, Tk, H, D] (`utils.tma_descriptors`), whole when the query sees them all. A box
+    has no row mask, and a key past the query must never reach a sum, not even a non-finite one: a
     tile that is not whole (the query's own partial tile, empty slots, blocks past the query)
     reads the sequence's first tile instead, which the caller masks; `_edge_tile` brings the
     partial tile's visible keys afterwards. (A box at a negative row would read zeros, but
@@ -301,17 +300,10 @@ def _tma_loads(tma: Optional[bool], k: Tensor, v: Tensor, sel_block: int, bn: in
     AOTInductor keeps pointer loads). True forces them (the CPU tests, under the interpreter)."""
     reason = _tma_reason(k, v, sel_block, bn)
     if tma is None:
-        return reason is None and k.device.type == "cuda" and not is_in_torch_dispatch_mode() \
-            and torch.cuda.get_device_capability(k.device)[0] >= 9
+        return reason is None and tma_engine(k)
     if tma and reason is not None:
         raise ValueError(f"tma=True: {reason}")
     return tma
-
-
-def _tma_descriptors(k: Tensor, v: Tensor, bn: int, dkp: int, dvp: int) -> tuple:
-    """TMA descriptors of k and v [B, Tk, H, D], one box a [bn, D] tile of one head."""
-    return (TensorDescriptor.from_tensor(k, [1, bn, 1, dkp]),
-            TensorDescriptor.from_tensor(v, [1, bn, 1, dvp]))
 
 
 # The shared pass (`_shared_fwd_kernel`): query rows per tile (queries of a group x the group's
@@ -805,7 +797,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
         launch(_shared_fwd_kernel)[(num_groups, B * H)](
             q, k, v, o, lse, bidx, off, *strides, T, n, qk_scale, TT=group, **shared_constants,
             num_warps=num_warps, num_stages=num_stages)
-    kv = _tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
+    kv = tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
         else (k, v)
     launch(_fwd_kernel)[(T, B * H)](
         q, k, v, *kv, o, lse, bidx, *queries.kernel_args(bidx), *strides, T, n, qk_scale,

@@ -27,6 +27,22 @@ def tma_layout(x: Tensor) -> bool:
     return all(s > 0 and s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
 
 
+def tma_engine(x: Tensor) -> bool:
+    """Whether an eager launch on x's device can read tiles through TMA descriptors: Hopper's
+    copy engine, on sm90+ GPUs. A launch traced for AOTInductor (inside a torch dispatch mode)
+    keeps pointer loads: torch.library.wrap_triton takes no descriptors."""
+    return x.device.type == "cuda" and not is_in_torch_dispatch_mode() \
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def tma_descriptors(k: Tensor, v: Tensor, bn: int, dkp: int, dvp: int) -> tuple:
+    """TMA descriptors of k and v [B, Tk, H, D], one box a [bn, D] tile of one head (D padded to
+    dkp / dvp: the box's columns past D read zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # this module imports no Triton
+    return (TensorDescriptor.from_tensor(k, [1, bn, 1, dkp]),
+            TensorDescriptor.from_tensor(v, [1, bn, 1, dvp]))
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input_precision: fp32 inputs get true fp32 dots (no tf32), so the kernels match
     the reference to ~1e-6; 16-bit inputs ignore the setting."""

@@ -30,7 +30,8 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops import routing
-from nsa_ops.kernels.utils import dot_precision, launch, pow2, unit_last_stride
+from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_engine,
+                                   tma_layout, unit_last_stride)
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -109,12 +110,14 @@ def _row_span(ROWSPAN, G, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, START, KEYPOS, OFF,
+def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
                 T, TK, H, G, W, qk_scale,
                 DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                VARLEN: tl.constexpr):
+                VARLEN: tl.constexpr, TMA: tl.constexpr):
+    """TMA: K/V tiles come through the TMA descriptors KD, VD (`utils.tma_descriptors`; a box
+    past the last key reads zeros, as the masked loads do); without, KD and VD go unread."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     r0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1) // H
@@ -137,8 +140,13 @@ def _fwd_kernel(Q, K, V, O, LSE, START, KEYPOS, OFF,
     v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk[None, :] < DK), other=0.0)
-        v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv[None, :] < DV), other=0.0)
+        if TMA:
+            at = [b, n0, kvh, 0]  # int32: program ids and key positions
+            k = tl.reshape(KD.load(at), (BLOCK_N, BLOCK_DK))
+            v = tl.reshape(VD.load(at), (BLOCK_N, BLOCK_DV))
+        else:
+            k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk[None, :] < DK), other=0.0)
+            v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if (n0 < whole_lo) | (n0 >= whole_hi):
             band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
@@ -224,16 +232,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
+def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, sdob, sdot, sdoh,
                    sdqb, sdqt, sdqh,
                    T, TK, H, G, W, qk_scale, scale,
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr):
+                   PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr, TMA: tl.constexpr):
     """dQ of one row tile (tokens x the G heads of one KV head). It runs before the dK dV
     kernel and writes the rows' delta = rowsum(dO * O) - dlse for it: every row belongs to one
-    program here, and dO is loaded anyway (a separate pass took 0.7 ms at 64k on an H100)."""
+    program here, and dO is loaded anyway (a separate pass took 0.7 ms at 64k on an H100).
+    TMA: K/V tiles through the descriptors KD, VD, as in `_fwd_kernel`."""
     # AOTInductor passes Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -264,8 +273,13 @@ def _bwd_dq_kernel(Q, K, V, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
     v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv_r)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk_r[None, :] < DK), other=0.0)
-        v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv_r[None, :] < DV), other=0.0)
+        if TMA:
+            at = [b, n0, kvh, 0]  # int32: program ids and key positions
+            k = tl.reshape(KD.load(at), (BLOCK_N, BLOCK_DK))
+            v = tl.reshape(VD.load(at), (BLOCK_N, BLOCK_DV))
+        else:
+            k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk_r[None, :] < DK), other=0.0)
+            v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv_r[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= kpos[:, None])
         p = tl.where(band, tl.exp2(s - lse[:, None]), 0.0)
@@ -295,17 +309,27 @@ class Tiles(NamedTuple):
     fwd: TileConfig
     dkdv: TileConfig
     dq: TileConfig
+    # the forward and dQ kernels reading K/V through TMA (sm90+); None: unmeasured at these rows,
+    # the kernel keeps pointer loads
+    fwd_tma: Optional[TileConfig] = None
+    dq_tma: Optional[TileConfig] = None
 
 
 # GPU tiles by the widest padded head row in bytes: (row bytes up to, Tiles). Starting points
 # for H100-class parts, except the 256-byte row (D = 128 in 16 bits), the fastest of
 # bench/tune_window.py at T=64k, w=512, G=16 (H100, bf16): forward (128, 32, 4, 3) 3.31-3.41 ms
 # against 3.46-8.07 for ten others; dK dV (64, 64, 4, 2) 7.51 ms against 8.21-71 for fourteen
-# others; dQ (128, 32, 4, 3) 4.19 ms against 4.32-10.8 for eleven others. The two backward
-# kernels share one config where a tier was not measured.
+# others; dQ (128, 32, 4, 3) 4.19 ms against 4.32-10.8 for eleven others. With TMA loads (sm90+;
+# T = 16k / 64k, two runs of the sweep, pointer loads 0.83-0.84 / 3.31-3.36 ms forward): forward
+# (128, 64, 4, 2) 0.743, 0.77 / 3.151, 3.08 ms; (64, 64, 4, 3) 0.772, 0.91 / 3.179, 2.84;
+# (128, 32, 4, 4) and (128, 32, 4, 3) 0.795-0.81 / 3.10-3.24; four others 0.85-0.99 / 3.34-4.09.
+# The whole backward with the dQ kernel's TMA loads at (128, 32, 4, 3) 2.96 / 11.65 ms against
+# 3.17 / 11.96 with pointer loads (one run; five other dQ tiles 3.17-3.90 / 11.99-15.14). The
+# two backward kernels share one config where a tier was not measured.
 _GPU_TILES = (
     (128, Tiles(TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
-    (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3))),
+    (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
+                fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3))),
     (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1))),
     (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
                      TileConfig(16, 32, 4, 1))),
@@ -315,18 +339,46 @@ _GPU_TILES = (
 _INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
 
 
-def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> TileConfig:
-    """The TileConfig of kernel "fwd", "dkdv" or "dq" for rows of row_bytes."""
+def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> Optional[TileConfig]:
+    """The TileConfig of kernel "fwd", "dkdv", "dq" or "fwd_tma" for rows of row_bytes (None:
+    fwd_tma unmeasured there)."""
     if not on_gpu:
         return _INTERPRETER_TILES
     tiles = next(t for limit, t in _GPU_TILES if row_bytes <= limit)
     return getattr(tiles, kernel)
 
 
+def _row_bytes(q: Tensor, dk: int, dv: int) -> int:
+    """The widest head row of the kernels' tiles (head dims padded to powers of two), in bytes."""
+    return max(pow2(dk, 16), pow2(dv, 16)) * q.element_size()
+
+
+def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
+    """Why kernel "fwd" or "dq" cannot read K/V through TMA descriptors (None: it can)."""
+    row_bytes = _row_bytes(q, k.shape[3], v.shape[3])
+    if _tile_config(f"{kernel}_tma", row_bytes, q.is_cuda) is None:
+        return f"no {kernel} TMA tiles measured for {row_bytes}-byte rows"
+    if not (tma_layout(k) and tma_layout(v)):
+        return "k or v has a layout TMA cannot describe (16-byte strides and start, unit last)"
+    return None
+
+
+def _tma_loads(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether kernel "fwd" or "dq" reads K/V tiles through TMA descriptors. None: where it
+    serves (`utils.tma_engine`, `_tma_reason`); True forces it (the CPU tests, under the
+    interpreter)."""
+    reason = _tma_reason(kernel, q, k, v)
+    if tma is None:
+        return reason is None and tma_engine(k)
+    if tma and reason is not None:
+        raise ValueError(f"tma=True: {reason}")
+    return tma
+
+
 def _kernel_meta(q: Tensor, dk: int, dv: int, kernel: str) -> dict:
     block_dk = pow2(dk, 16)
     block_dv = pow2(dv, 16)
-    cfg = _tile_config(kernel, max(block_dk, block_dv) * q.element_size(), q.is_cuda)
+    cfg = _tile_config(kernel, _row_bytes(q, dk, dv), q.is_cuda)
     precision = dot_precision(q.dtype)
     return dict(DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PRECISION=precision, num_warps=cfg.num_warps,
@@ -345,20 +397,24 @@ def _positions(q: Tensor, k: Tensor, cu_seqlens: Optional[Tensor],
                  query_keys(q.shape[1], k.shape[1], cu_seqlens, cu_seqlens_k, q.device))
 
 
-def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None):
+def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None, tma=None):
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    meta = _kernel_meta(q, Dk, Dv, "fwd")
+    tma = _tma_loads("fwd", tma, q, k, v)
+    meta = _kernel_meta(q, Dk, Dv, "fwd_tma" if tma else "fwd")
+    kv = tma_descriptors(k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"]) if tma \
+        else (k, v)
     grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
     varlen = cu_seqlens is not None
     # fixed length: the kernel places query t at key t + Tk - T itself (no position arrays)
     starts, keypos = _positions(q, k, cu_seqlens, cu_seqlens_k) if varlen else (o, o)
     # sym_min: a dynamic-length trace (AOTInductor) keeps the clamp symbolic, no guard on Tk
-    launch(_fwd_kernel)[grid](q, k, v, o, lse, starts, keypos, Tk - T, *_strides(q, k, v, o),
-                              T, Tk, H, HQ // H, torch.sym_min(window, Tk), scale * _LOG2E,
-                              VARLEN=varlen, **meta)
+    launch(_fwd_kernel)[grid](q, k, v, *kv, o, lse, starts, keypos, Tk - T,
+                              *_strides(q, k, v, o), T, Tk, H, HQ // H,
+                              torch.sym_min(window, Tk), scale * _LOG2E, VARLEN=varlen, TMA=tma,
+                              **meta)
     return o, lse
 
 
@@ -371,7 +427,8 @@ def _row_spans(keypos: Tensor, Tk: int, window: int, block_n: int) -> Tensor:
     return torch.stack([lo, hi], 1).to(torch.int32)
 
 
-def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens_k=None):
+def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens_k=None,
+                tma=None):
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = HQ // H
@@ -382,10 +439,13 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     w = torch.sym_min(window, Tk)
     shared = (T, Tk, H, G, w, scale * _LOG2E, scale)
-    meta = _kernel_meta(q, Dk, Dv, "dq")
+    tma = _tma_loads("dq", tma, q, k, v)
+    meta = _kernel_meta(q, Dk, Dv, "dq_tma" if tma else "dq")
+    kv = tma_descriptors(k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"]) if tma \
+        else (k, v)
     launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
-        q, k, v, o, do, lse, dlse_arg, delta, starts, keypos, dq, *_strides(q, k, v, o, do, dq),
-        *shared, HAS_DLSE=dlse is not None, **meta)
+        q, k, v, *kv, o, do, lse, dlse_arg, delta, starts, keypos, dq,
+        *_strides(q, k, v, o, do, dq), *shared, HAS_DLSE=dlse is not None, TMA=tma, **meta)
     meta = _kernel_meta(q, Dk, Dv, "dkdv")
     spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"])
     launch(_bwd_dkdv_kernel)[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
@@ -603,30 +663,49 @@ def _backend_for(q: Tensor, k: Tensor, v: Tensor, backend: Optional[str],
 def sliding_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
                        cu_seqlens: Optional[Tensor] = None,
                        backend: Optional[str] = None, *,
-                       cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                       cu_seqlens_k: Optional[Tensor] = None,
+                       tma: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """(o [B,T,HQ,Dv] in q.dtype, lse float32 [B,T,HQ]); the query at key position p sees keys
-    (p - w, p]: p = t, or Tk - Tq + t when k is longer (per sequence with cu_seqlens_k)."""
+    (p - w, p]: p = t, or Tk - Tq + t when k is longer (per sequence with cu_seqlens_k).
+    tma (the triton backend): read K/V through TMA descriptors (None: where `_tma_loads`
+    allows)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    fwd, _ = _BACKENDS[_backend_for(q, k, v, backend, cu_seqlens_k)]
+    name = _backend_for(q, k, v, backend, cu_seqlens_k)
+    fwd, _ = _BACKENDS[name]
     B, T, HQ, _ = q.shape
     if B * T == 0:
         return (q.new_empty(B, T, HQ, v.shape[3]),
                 q.new_empty(B, T, HQ, dtype=torch.float32))
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
-    offset = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
-    return fwd(q, k, v, int(window), float(scale), cu_seqlens, **offset)
+    return fwd(q, k, v, int(window), float(scale), cu_seqlens,
+               **_triton_extra(name, cu_seqlens_k, tma))
+
+
+def _triton_extra(backend: str, cu_seqlens_k: Optional[Tensor], tma: Optional[bool]) -> dict:
+    """The keyword arguments a backend's call gets beyond the common ones."""
+    extra = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
+    if tma is not None:
+        if backend != "triton":
+            raise ValueError(f"tma={tma}: only the triton backend reads K/V itself, not "
+                             f"{backend}")
+        extra["tma"] = tma
+    return extra
 
 
 def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                        dlse: Optional[Tensor], window: int, scale: float,
                        cu_seqlens: Optional[Tensor] = None,
                        backend: Optional[str] = None, *,
-                       cu_seqlens_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in the dtypes of q, k, v; dS = P * (dP - rowsum(dO * O) + dlse)."""
+                       cu_seqlens_k: Optional[Tensor] = None,
+                       tma: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) in the dtypes of q, k, v; dS = P * (dP - rowsum(dO * O) + dlse). tma (the
+    triton backend): the dQ kernel reads K/V through TMA descriptors (None: where `_tma_loads`
+    allows)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    _, bwd = _BACKENDS[_backend_for(q, k, v, backend, cu_seqlens_k)]
+    name = _backend_for(q, k, v, backend, cu_seqlens_k)
+    _, bwd = _BACKENDS[name]
     if q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o, do))
-    offset = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
-    return bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens, **offset)
+    return bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens,
+               **_triton_extra(name, cu_seqlens_k, tma))

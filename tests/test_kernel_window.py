@@ -117,6 +117,40 @@ def test_triton_gpu_tiles_without_dlse(monkeypatch, poisoned_empty):
     _compare_cpu(1, 300, 2, 16, 16, 40, torch.float16, with_dlse=False, seed=3)
 
 
+@pytest.mark.parametrize("B,Tq,Tk,G,Dk,Dv,w,lengths", [
+    (2, 37, 37, 2, 32, 16, 8, None),  # the last key tile runs past the keys; two box widths
+    (1, 30, 70, 3, 16, 16, 20, None),  # queries at an offset
+    (1, 100, 100, 2, 16, 16, 40, (13, 1, 36, 50)),  # windows stop at sequence boundaries
+])
+def test_triton_forward_tma(B, Tq, Tk, G, Dk, Dv, w, lengths, poisoned_empty):
+    """K/V through TMA descriptors in the forward and dQ kernels (sm90+ GPUs; forced here, in the
+    interpreter): the same tiles as the pointer loads, so bitwise the same o, lse and grads, and
+    the reference's."""
+    q, k, v, _, _ = _inputs(B, Tk, H, G, Dk, Dv, torch.float32, seed=5)
+    q = q[:, Tk - Tq:]
+    cu = None if lengths is None else torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0)
+    cu = None if cu is None else cu.to(torch.int32)
+    scale = Dk ** -0.5
+    do = torch.randn(*q.shape[:3], Dv, generator=torch.Generator().manual_seed(6))
+    outs = {}
+    for tma in (True, False):
+        o, lse = win.sliding_window_fwd(q, k, v, w, scale, cu, backend="triton", tma=tma)
+        grads = win.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale, cu,
+                                       backend="triton", tma=tma)
+        outs[tma] = (o, lse, *grads)
+    for name, a, b in zip(NAMES, outs[True], outs[False]):
+        assert torch.equal(a, b), name
+    _check_close(outs[True], _reference(q, k, v, do, None, w, scale, cu, torch.float64),
+                 torch.float32)
+
+
+def test_triton_forward_tma_refuses(poisoned_empty):
+    q, k, v, _, _ = _inputs(1, 20, H, 2, 16, 16, torch.float32)
+    k_odd = torch.randn(1, 20, H, 17)[..., :16]  # token stride 68 bytes: no TMA descriptor
+    with pytest.raises(ValueError, match="tma=True: k or v has a layout TMA cannot describe"):
+        win.sliding_window_fwd(q, k_odd, v, 8, 0.25, backend="triton", tma=True)
+
+
 def test_triton_strided_inputs(poisoned_empty):
     """q, k, v as head slices of one packed qkv tensor (non-contiguous token/head strides)."""
     B, T, G, D, w = 2, 37, 2, 16, 8
