@@ -127,25 +127,31 @@ class _Layer(torch.autograd.Function):
          block_idx) = ctx.saved_tensors
         plan, (k_cmp, v_cmp, k_leaf, v_leaf) = ctx.plan, ctx.pooled
         cu_q, cu_k = _seqlens(plan.seqs)
+        # each branch's dO is dropped once its backward has run (the saved outputs stay until
+        # the node is done, where the ops' nodes free theirs one by one: more peak memory)
         with routing.force(**ctx.forces):
             with _named("gate_combine_backward"):
                 do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_combine_backward._init_fn(
                     do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads)
+            del do
             # the longest backward first: the GPU runs it while the host enqueues the rest
             with _named("selection_attention_backward"):
                 dq, dk, dv = ops.selection_attention_backward._init_fn(
                     q, k, v, o_slc, lse_slc, do_slc, None, block_idx, plan.sel_block,
                     plan.scale, cu_q, cu_k)
+            del do_slc
             with _named("compressed_attention_backward"):
                 dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
                     q, k_cmp.detach(), v_cmp.detach(), o_cmp, lse_cmp, do_cmp, None,
                     plan.block_len, plan.block_stride, plan.scale, cu_q, cu_k,
                     plan.cmp_keys.get("seqlen_k"))
+            del do_cmp
             if plan.window:
                 with _named("sliding_window_attention_backward"):
                     dq_win, dk_win, dv_win = ops.sliding_window_attention_backward._init_fn(
                         q, k, v, o_win, lse_win, do_win, None, plan.window, plan.scale, cu_q,
                         cu_k)
+                del do_win
                 _add(dq, dq_cmp, dq_win)
                 dk += dk_win
                 dv += dv_win
