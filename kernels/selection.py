@@ -36,8 +36,8 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_engine,
-                                   tma_layout, unit_last_stride)
+from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_kv_reason,
+                                   unit_last_stride, use_tma)
 from nsa_ops.reference import query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -289,21 +289,13 @@ def _tma_reason(k: Tensor, v: Tensor, sel_block: int, bn: int) -> Optional[str]:
     can): whole boxes must tile the blocks exactly, and TMA must be able to describe k and v."""
     if sel_block % bn:
         return f"sel_block={sel_block} is not a multiple of the {bn}-key tile"
-    if not (tma_layout(k) and tma_layout(v)):
-        return "k or v has a layout TMA cannot describe (16-byte strides and start, unit last)"
-    return None
+    return tma_kv_reason(k, v)
 
 
 def _tma_loads(tma: Optional[bool], k: Tensor, v: Tensor, sel_block: int, bn: int) -> bool:
-    """Whether the per-token kernels read K/V tiles through TMA descriptors. None: where it
-    serves, Hopper's copy engine on sm90+ GPUs in eager launches (a launch traced for
-    AOTInductor keeps pointer loads). True forces them (the CPU tests, under the interpreter)."""
-    reason = _tma_reason(k, v, sel_block, bn)
-    if tma is None:
-        return reason is None and tma_engine(k)
-    if tma and reason is not None:
-        raise ValueError(f"tma=True: {reason}")
-    return tma
+    """Whether the per-token kernels read K/V tiles through TMA descriptors (`utils.use_tma`:
+    None where `_tma_reason` allows on sm90+, in eager launches; True forces them)."""
+    return use_tma(tma, _tma_reason(k, v, sel_block, bn), k)
 
 
 # The shared pass (`_shared_fwd_kernel`): query rows per tile (queries of a group x the group's

@@ -2,6 +2,8 @@
 SDPA-based routes in nsa_ops (packed, compressed_sdpa) use them too."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
@@ -33,6 +35,25 @@ def tma_engine(x: Tensor) -> bool:
     keeps pointer loads: torch.library.wrap_triton takes no descriptors."""
     return x.device.type == "cuda" and not is_in_torch_dispatch_mode() \
         and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def tma_kv_reason(k: Tensor, v: Tensor) -> Optional[str]:
+    """Why TMA descriptors cannot describe k and v (None: they can)."""
+    if not (tma_layout(k) and tma_layout(v)):
+        return "k or v has a layout TMA cannot describe (16-byte strides and start, unit last)"
+    return None
+
+
+def use_tma(tma: Optional[bool], reason: Optional[str], x: Tensor) -> bool:
+    """Whether a kernel reads its tiles through TMA descriptors, given why it cannot (reason,
+    None: it can) and a tensor on the launch's device. tma=None: where it can and
+    `tma_engine(x)`; True forces it (the CPU tests, under the interpreter; ValueError with the
+    reason where it cannot); False: pointer loads."""
+    if tma is None:
+        return reason is None and tma_engine(x)
+    if tma and reason is not None:
+        raise ValueError(f"tma=True: {reason}")
+    return tma
 
 
 def tma_descriptors(k: Tensor, v: Tensor, bn: int, dkp: int, dvp: int) -> tuple:

@@ -30,8 +30,8 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops import routing
-from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_engine,
-                                   tma_layout, unit_last_stride)
+from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_kv_reason,
+                                   unit_last_stride, use_tma)
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -358,21 +358,13 @@ def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
     row_bytes = _row_bytes(q, k.shape[3], v.shape[3])
     if _tile_config(f"{kernel}_tma", row_bytes, q.is_cuda) is None:
         return f"no {kernel} TMA tiles measured for {row_bytes}-byte rows"
-    if not (tma_layout(k) and tma_layout(v)):
-        return "k or v has a layout TMA cannot describe (16-byte strides and start, unit last)"
-    return None
+    return tma_kv_reason(k, v)
 
 
 def _tma_loads(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether kernel "fwd" or "dq" reads K/V tiles through TMA descriptors. None: where it
-    serves (`utils.tma_engine`, `_tma_reason`); True forces it (the CPU tests, under the
-    interpreter)."""
-    reason = _tma_reason(kernel, q, k, v)
-    if tma is None:
-        return reason is None and tma_engine(k)
-    if tma and reason is not None:
-        raise ValueError(f"tma=True: {reason}")
-    return tma
+    """Whether kernel "fwd" or "dq" reads K/V tiles through TMA descriptors (`utils.use_tma`:
+    None where `_tma_reason` allows on sm90+, True forces)."""
+    return use_tma(tma, _tma_reason(kernel, q, k, v), k)
 
 
 def _kernel_meta(q: Tensor, dk: int, dv: int, kernel: str) -> dict:
