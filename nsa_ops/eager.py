@@ -78,16 +78,6 @@ def _named(op: str):
         yield
 
 
-def _pooled(x: Tensor, plan: Plan, grad: bool) -> tuple[Tensor, Optional[Tensor]]:
-    """(phi(x), the detached x its autograd graph starts from, None where the backward needs
-    no graph: without grad, or where `reference.compress_mean_backward` serves)."""
-    if not grad or _explicit_pool_backward(plan):
-        return reference.compress_mean(x, plan.block_len, plan.block_stride, plan.cu_keys), None
-    leaf = x.detach().requires_grad_()
-    with torch.enable_grad():
-        return reference.compress_mean(leaf, plan.block_len, plan.block_stride, plan.cu_keys), leaf
-
-
 class _Layer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: Plan, q, k, v, g_cmp, g_slc, g_win, block_idx):
@@ -97,16 +87,15 @@ class _Layer(torch.autograd.Function):
             with _named("sliding_window_attention"):
                 o_win, lse_win = ops.sliding_window_attention._init_fn(
                     q, k, v, plan.window, plan.scale, **plan.seqs)
-        k_cmp, k_leaf = _pooled(k, plan, grad)
-        v_cmp, v_leaf = _pooled(v, plan, grad)
+        k_cmp = reference.compress_mean(k, plan.block_len, plan.block_stride, plan.cu_keys)
+        v_cmp = reference.compress_mean(v, plan.block_len, plan.block_stride, plan.cu_keys)
         with _named("compressed_attention"):
             o_cmp, lse_cmp = ops.compressed_attention._init_fn(
-                q, k_cmp.detach(), v_cmp.detach(), plan.block_len, plan.block_stride, plan.scale,
-                **plan.cmp_keys)
+                q, k_cmp, v_cmp, plan.block_len, plan.block_stride, plan.scale, **plan.cmp_keys)
         if block_idx is None:
             with _named("select_blocks"):
                 block_idx = ops.select_blocks._init_fn(
-                    q, k_cmp.detach(), lse_cmp, plan.block_len, plan.block_stride,
+                    q, k_cmp, lse_cmp, plan.block_len, plan.block_stride,
                     plan.sel_block, plan.num_sel, plan.scale, **plan.cmp_keys)
         with _named("selection_attention"):
             o_slc, lse_slc = ops.selection_attention._init_fn(
@@ -117,18 +106,17 @@ class _Layer(torch.autograd.Function):
         if grad:
             ctx.plan = plan
             ctx.forces = routing.forces()
-            ctx.pooled = (k_cmp, v_cmp, k_leaf, v_leaf)
             ctx.gate_grads = any(ctx.needs_input_grad[4:7])
-            ctx.save_for_backward(q, k, v, g_cmp, g_slc, g_win, o_cmp, lse_cmp, o_slc, lse_slc,
-                                  o_win, lse_win, block_idx)
+            ctx.save_for_backward(q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_win, o_cmp, lse_cmp,
+                                  o_slc, lse_slc, o_win, lse_win, block_idx)
         return o, block_idx
 
     @staticmethod
     @once_differentiable
     def backward(ctx, do, _):
-        (q, k, v, g_cmp, g_slc, g_win, o_cmp, lse_cmp, o_slc, lse_slc, o_win, lse_win,
-         block_idx) = ctx.saved_tensors
-        plan, (k_cmp, v_cmp, k_leaf, v_leaf) = ctx.plan, ctx.pooled
+        (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_win, o_cmp, lse_cmp, o_slc, lse_slc, o_win,
+         lse_win, block_idx) = ctx.saved_tensors
+        plan = ctx.plan
         cu_q, cu_k = _seqlens(plan.seqs)
         # each branch's dO is dropped once its backward has run (the saved outputs stay until
         # the node is done, where the ops' nodes free theirs one by one: more peak memory)
@@ -145,7 +133,7 @@ class _Layer(torch.autograd.Function):
             del do_slc
             with _named("compressed_attention_backward"):
                 dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
-                    q, k_cmp.detach(), v_cmp.detach(), o_cmp, lse_cmp, do_cmp, None,
+                    q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, None,
                     plan.block_len, plan.block_stride, plan.scale, cu_q, cu_k,
                     plan.cmp_keys.get("seqlen_k"))
             del do_cmp
@@ -160,26 +148,26 @@ class _Layer(torch.autograd.Function):
                 dv += dv_win
             else:
                 dq += dq_cmp
-        dk += _pool_backward(dk_cmp, k, k_leaf, k_cmp, plan)
-        dv += _pool_backward(dv_cmp, v, v_leaf, v_cmp, plan)
+        dk += _pool_backward(dk_cmp, k, plan)
+        dv += _pool_backward(dv_cmp, v, plan)
         gates = (dg_cmp, dg_slc, dg_win) if ctx.gate_grads else (None,) * 3
         return (None, dq, dk, dv, *(d if need else None for d, need in
                                     zip(gates, ctx.needs_input_grad[4:7])), None)
 
 
-def _explicit_pool_backward(plan: Plan) -> bool:
-    """Whether mean pooling's backward is `reference.compress_mean_backward` rather than
-    autograd's (fixed length, d dividing l)."""
-    return plan.cu_keys is None and plan.block_len % plan.block_stride == 0
-
-
-def _pool_backward(grad: Tensor, x: Tensor, leaf: Optional[Tensor], pooled: Tensor,
-                   plan: Plan) -> Tensor:
-    """The gradient of x from that of phi(x) = pooled."""
-    if leaf is None:
-        return reference.compress_mean_backward(grad, x.shape[1], plan.block_len,
-                                                plan.block_stride)
-    return torch.autograd.grad(pooled, leaf, grad)[0]
+def _pool_backward(grad: Tensor, x: Tensor, plan: Plan) -> Tensor:
+    """The gradient of x from that of its mean pooling: `reference.compress_mean_backward` at
+    fixed length with d dividing l, else autograd through the pooling done again (a graph kept
+    from the forward would be gone after one backward, and retain_graph asks for more)."""
+    if plan.cu_keys is None:
+        dx = reference.compress_mean_backward(grad, x.shape[1], plan.block_len,
+                                              plan.block_stride)
+        if dx is not None:
+            return dx
+    leaf = x.detach().requires_grad_()
+    with torch.enable_grad():
+        pooled = reference.compress_mean(leaf, plan.block_len, plan.block_stride, plan.cu_keys)
+        return torch.autograd.grad(pooled, leaf, grad)[0]
 
 
 def _add(out: Tensor, a: Tensor, b: Tensor) -> None:

@@ -107,3 +107,26 @@ def test_pool_backward_matches_autograd():
         want, = torch.autograd.grad(y, x, g)
         torch.testing.assert_close(R.compress_mean_backward(g, T, l, d), want)
     assert R.compress_mean_backward(g, 50, 20, 8) is None  # d does not divide l: autograd's
+
+
+@pytest.mark.parametrize("lengths", [None, (30, 42)])
+def test_eager_layer_backward_twice(monkeypatch, lengths):
+    """backward(retain_graph=True) then backward again adds the same gradients once more, as
+    through the ops (packed sequences take mean pooling's backward from autograd)."""
+    grads = {}
+    for eager in (True, False):
+        monkeypatch.setenv("NSA_OPS_EAGER_LAYER", "1" if eager else "0")
+        q, k, v = qkv(1, 72, 4, 2, 16, 16, requires_grad=True, seed=3)
+        kw = dict(SMALL, window=16)
+        if lengths is not None:
+            kw["cu_seqlens"] = cu_seqlens(lengths)
+        o = nsa_ops.nsa_attention(q, k, v, *gates(1, 72, 4), **kw)
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(6))
+        o.backward(do, retain_graph=True)
+        once = [x.grad.clone() for x in (q, k, v)]
+        o.backward(do)
+        for a, b in zip(once, (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(b, 2 * a)
+        grads[eager] = once
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
