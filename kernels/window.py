@@ -340,8 +340,8 @@ _INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
 
 
 def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> Optional[TileConfig]:
-    """The TileConfig of kernel "fwd", "dkdv", "dq" or "fwd_tma" for rows of row_bytes (None:
-    fwd_tma unmeasured there)."""
+    """The TileConfig of kernel "fwd", "dkdv", "dq", "fwd_tma" or "dq_tma" for rows of row_bytes
+    (None: a TMA kernel unmeasured there)."""
     if not on_gpu:
         return _INTERPRETER_TILES
     tiles = next(t for limit, t in _GPU_TILES if row_bytes <= limit)
@@ -367,6 +367,17 @@ def _tma_loads(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor
     return use_tma(tma, _tma_reason(kernel, q, k, v), k)
 
 
+def _kv_operands(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor
+                 ) -> tuple[dict, tuple, bool]:
+    """(launch meta, the kernel's KD / VD arguments, TMA) of kernel "fwd" or "dq": TMA
+    descriptors of k and v where `_tma_loads` picks them, else k and v themselves (unread)."""
+    tma = _tma_loads(kernel, tma, q, k, v)
+    meta = _kernel_meta(q, k.shape[3], v.shape[3], f"{kernel}_tma" if tma else kernel)
+    kv = tma_descriptors(k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"]) if tma \
+        else (k, v)
+    return meta, kv, tma
+
+
 def _kernel_meta(q: Tensor, dk: int, dv: int, kernel: str) -> dict:
     block_dk = pow2(dk, 16)
     block_dv = pow2(dv, 16)
@@ -390,14 +401,11 @@ def _positions(q: Tensor, k: Tensor, cu_seqlens: Optional[Tensor],
 
 
 def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None, tma=None):
-    B, T, HQ, Dk = q.shape
+    B, T, HQ, _ = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    tma = _tma_loads("fwd", tma, q, k, v)
-    meta = _kernel_meta(q, Dk, Dv, "fwd_tma" if tma else "fwd")
-    kv = tma_descriptors(k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"]) if tma \
-        else (k, v)
+    meta, kv, tma = _kv_operands("fwd", tma, q, k, v)
     grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
     varlen = cu_seqlens is not None
     # fixed length: the kernel places query t at key t + Tk - T itself (no position arrays)
@@ -431,10 +439,7 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     w = torch.sym_min(window, Tk)
     shared = (T, Tk, H, G, w, scale * _LOG2E, scale)
-    tma = _tma_loads("dq", tma, q, k, v)
-    meta = _kernel_meta(q, Dk, Dv, "dq_tma" if tma else "dq")
-    kv = tma_descriptors(k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"]) if tma \
-        else (k, v)
+    meta, kv, tma = _kv_operands("dq", tma, q, k, v)
     launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
         q, k, v, *kv, o, do, lse, dlse_arg, delta, starts, keypos, dq,
         *_strides(q, k, v, o, do, dq), *shared, HAS_DLSE=dlse is not None, TMA=tma, **meta)

@@ -46,7 +46,13 @@ class Plan(NamedTuple):
     scale: float
     seqs: dict  # the window and selection ops' sequence arguments
     cmp_keys: dict  # the compressed and select_blocks ops' (seqs, plus seqlen_k at an offset)
-    cu_keys: Optional[Tensor]  # the sequences phi pools over
+    cu_q: Optional[Tensor]  # the queries' sequences (None: fixed length)
+    cu_k: Optional[Tensor]  # the keys' sequences, where they differ from the queries'
+
+    @property
+    def cu_keys(self) -> Optional[Tensor]:
+        """The sequences phi pools over."""
+        return self.cu_q if self.cu_k is None else self.cu_k
 
 
 def serves(phi_k: Callable, phi_v: Callable, tensors: list[Optional[Tensor]]) -> bool:
@@ -117,7 +123,7 @@ class _Layer(torch.autograd.Function):
         (q, k, v, k_cmp, v_cmp, g_cmp, g_slc, g_win, o_cmp, lse_cmp, o_slc, lse_slc, o_win,
          lse_win, block_idx) = ctx.saved_tensors
         plan = ctx.plan
-        cu_q, cu_k = _seqlens(plan.seqs)
+        cu_q, cu_k = plan.cu_q, plan.cu_k
         # each branch's dO is dropped once its backward has run (the saved outputs stay until
         # the node is done, where the ops' nodes free theirs one by one: more peak memory)
         with routing.force(**ctx.forces):
@@ -177,10 +183,3 @@ def _add(out: Tensor, a: Tensor, b: Tensor) -> None:
         add_into(out, a, b)
     else:
         out.add_(a).add_(b)
-
-
-def _seqlens(seqs: dict) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """(cu_seqlens of the queries, of the keys when they differ) from the ops' arguments."""
-    if "cu_seqlens_q" in seqs:
-        return seqs["cu_seqlens_q"], seqs["cu_seqlens_k"]
-    return seqs.get("cu_seqlens"), None

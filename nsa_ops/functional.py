@@ -80,7 +80,7 @@ def nsa_attention(q: Tensor, k: Tensor, v: Tensor, g_cmp: Tensor, g_slc: Tensor,
     cmp_keys = dict(seqs, seqlen_k=k.shape[1]) if offset else seqs
     if eager.serves(phi_k, phi_v, [q, k, v, g_cmp, g_slc, g_win, block_idx, cu_q, cu_k]):
         plan = eager.Plan(block_len, block_stride, sel_block, num_sel, window, scale, seqs,
-                          cmp_keys, cu_keys)
+                          cmp_keys, cu_q, cu_k)
         o, block_idx = eager.nsa_attention(plan, q, k, v, g_cmp, g_slc, g_win, block_idx)
         if on_block_idx is not None:
             on_block_idx(block_idx)
