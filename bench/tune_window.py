@@ -1,11 +1,13 @@
 """Sweep the Triton sliding-window kernel's tiles at one shape against FA-2; prints median ms.
 
-    python bench/tune_window.py [--seqlen 65536] [geometry flags | --config FILE.yaml]
+    python bench/tune_window.py [--seqlen 65536] [--kernels fwd dq ...] [geometry flags |
+                                --config FILE.yaml]
 
 Used to fill `_GPU_TILES` in kernels/window.py (bf16, at the geometry of bench/geometry.py: by
 default the spec's, D=128, the 256-byte row tier). Each row replaces one of that tier's
-TileConfigs (the forward and dQ with pointer loads and with TMA loads (sm90+), dK dV) and times
-the pass it belongs to.
+TileConfigs (the forward, dQ and dK dV kernels, each with pointer loads and with TMA loads
+(sm90+)) and times the pass it belongs to; a backward row with TMA loads has them in both of its
+kernels.
 """
 import triton
 import triton.testing
@@ -21,6 +23,9 @@ SWEEP = {
                 (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (256, 64, 8, 3)),
     "dkdv": ((64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1), (32, 64, 4, 2), (64, 32, 4, 2),
              (128, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 3)),
+    "dkdv_tma": ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 2), (128, 64, 8, 2),
+                 (128, 64, 8, 3), (32, 64, 4, 2), (128, 32, 4, 2), (64, 128, 8, 2),
+                 (64, 64, 8, 2)),
     "dq_tma": ((128, 32, 4, 3), (128, 64, 4, 2), (128, 32, 4, 4), (64, 64, 4, 3),
                (128, 64, 4, 3), (64, 32, 4, 3)),
     "dq": ((128, 32, 4, 3), (128, 32, 4, 2), (128, 32, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2),
@@ -31,6 +36,7 @@ SWEEP = {
 def main():
     p = geometry.parser(__doc__)
     p.add_argument("--seqlen", type=int, default=65536)
+    p.add_argument("--kernels", nargs="+", choices=list(SWEEP), default=list(SWEEP))
     args, geo = geometry.parse(p)
     T, w = args.seqlen, geo.window
     q, k, v, do = spec_inputs(geo, args.batch, T)
@@ -46,8 +52,8 @@ def main():
     row_bytes = 2 * triton.next_power_of_2(max(geo.head_dim_qk, geo.head_dim_v))
     tier = next(i for i, (limit, _) in enumerate(tiles) if row_bytes <= limit)
     limit, tuned = tiles[tier]
-    for kernel, variants in SWEEP.items():
-        for cfg in variants:
+    for kernel in args.kernels:
+        for cfg in SWEEP[kernel]:
             W._GPU_TILES = tuple(tiles[:tier]) + (
                 (limit, tuned._replace(**{kernel: W.TileConfig(*cfg)})),) + tuple(tiles[tier + 1:])
             forward, tma = kernel.startswith("fwd"), kernel.endswith("_tma")

@@ -30,8 +30,10 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops import routing
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_kv_reason,
-                                   unit_last_stride, use_tma)
+                                   tma_layout, unit_last_stride, use_tma)
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -171,14 +173,17 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
+def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
                      sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
                      T, TK, H, G, W, qk_scale, scale,
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """dK, dV of one key tile, summed over all G query heads of its group (no atomics)."""
+                     PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """dK, dV of one key tile, summed over all G query heads of its group (no atomics).
+    TMA: Q/dO row tiles come through the descriptors QD, DOD, one box the BLOCK_M // G tokens
+    x G heads of a tile (`_row_descriptors`: G divides BLOCK_M, and tiles start at whole
+    tokens); without, QD and DOD go unread."""
     # AOTInductor passes Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -207,12 +212,17 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
         head = kvh * G + rows % G
         kpos = tl.load(KEYPOS + tok)
         first = tl.maximum(kpos - W + 1, tl.load(START + tok))
-        q = tl.load(q_base + (tok.to(tl.int64) * sqt + head.to(tl.int64) * sqh)[:, None]
-                    + dk_r[None, :],
-                    mask=ok[:, None] & (dk_r[None, :] < DK), other=0.0)
-        do = tl.load(do_base + (tok.to(tl.int64) * sdot + head.to(tl.int64) * sdoh)[:, None]
-                     + dv_r[None, :],
-                     mask=ok[:, None] & (dv_r[None, :] < DV), other=0.0)
+        if TMA:
+            at = [b, r0 // G, kvh * G, 0]  # rows past the last token read zeros
+            q = tl.reshape(QD.load(at), (BLOCK_M, BLOCK_DK))
+            do = tl.reshape(DOD.load(at), (BLOCK_M, BLOCK_DV))
+        else:
+            q = tl.load(q_base + (tok.to(tl.int64) * sqt + head.to(tl.int64) * sqh)[:, None]
+                        + dk_r[None, :],
+                        mask=ok[:, None] & (dk_r[None, :] < DK), other=0.0)
+            do = tl.load(do_base + (tok.to(tl.int64) * sdot + head.to(tl.int64) * sdoh)[:, None]
+                         + dv_r[None, :],
+                         mask=ok[:, None] & (dv_r[None, :] < DV), other=0.0)
         row = row_base + tok.to(tl.int64) * (H * G) + head
         lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
@@ -309,10 +319,11 @@ class Tiles(NamedTuple):
     fwd: TileConfig
     dkdv: TileConfig
     dq: TileConfig
-    # the forward and dQ kernels reading K/V through TMA (sm90+); None: unmeasured at these rows,
-    # the kernel keeps pointer loads
+    # the forward and dQ kernels reading K/V, the dK dV kernel Q/dO through TMA (sm90+); None:
+    # unmeasured at these rows, the kernel keeps pointer loads
     fwd_tma: Optional[TileConfig] = None
     dq_tma: Optional[TileConfig] = None
+    dkdv_tma: Optional[TileConfig] = None
 
 
 # GPU tiles by the widest padded head row in bytes: (row bytes up to, Tiles). Starting points
@@ -324,12 +335,16 @@ class Tiles(NamedTuple):
 # (128, 64, 4, 2) 0.743, 0.77 / 3.151, 3.08 ms; (64, 64, 4, 3) 0.772, 0.91 / 3.179, 2.84;
 # (128, 32, 4, 4) and (128, 32, 4, 3) 0.795-0.81 / 3.10-3.24; four others 0.85-0.99 / 3.34-4.09.
 # The whole backward with the dQ kernel's TMA loads at (128, 32, 4, 3) 2.96 / 11.65 ms against
-# 3.17 / 11.96 with pointer loads (one run; five other dQ tiles 3.17-3.90 / 11.99-15.14). The
-# two backward kernels share one config where a tier was not measured.
+# 3.17 / 11.96 with pointer loads (one run; five other dQ tiles 3.17-3.90 / 11.99-15.14). With
+# the dK dV kernel's Q/dO through TMA as well (one run): (64, 64, 4, 3) 2.69 / 10.89 ms against
+# 2.94 / 11.57 at (64, 64, 4, 2) and 3.02-6.81 / 11.71-27.01 for six others; both kernels with
+# pointer loads 3.02 / 11.88 at the pointer tile (64, 64, 4, 2). The two backward kernels share
+# one config where a tier was not measured.
 _GPU_TILES = (
     (128, Tiles(TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
     (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
-                fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3))),
+                fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3),
+                dkdv_tma=TileConfig(64, 64, 4, 3))),
     (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1))),
     (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
                      TileConfig(16, 32, 4, 1))),
@@ -340,8 +355,8 @@ _INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
 
 
 def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> Optional[TileConfig]:
-    """The TileConfig of kernel "fwd", "dkdv", "dq", "fwd_tma" or "dq_tma" for rows of row_bytes
-    (None: a TMA kernel unmeasured there)."""
+    """The TileConfig of kernel "fwd", "dkdv", "dq", "fwd_tma", "dq_tma" or "dkdv_tma" for rows
+    of row_bytes (None: a TMA kernel unmeasured there)."""
     if not on_gpu:
         return _INTERPRETER_TILES
     tiles = next(t for limit, t in _GPU_TILES if row_bytes <= limit)
@@ -353,29 +368,53 @@ def _row_bytes(q: Tensor, dk: int, dv: int) -> int:
     return max(pow2(dk, 16), pow2(dv, 16)) * q.element_size()
 
 
-def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor) -> Optional[str]:
-    """Why kernel "fwd" or "dq" cannot read K/V through TMA descriptors (None: it can)."""
+def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor, do: Optional[Tensor] = None
+                ) -> Optional[str]:
+    """Why kernel "fwd" or "dq" cannot read K/V, or "dkdv" Q/dO (do given), through TMA
+    descriptors (None: it can)."""
     row_bytes = _row_bytes(q, k.shape[3], v.shape[3])
-    if _tile_config(f"{kernel}_tma", row_bytes, q.is_cuda) is None:
+    tiles = _tile_config(f"{kernel}_tma", row_bytes, q.is_cuda)
+    if tiles is None:
         return f"no {kernel} TMA tiles measured for {row_bytes}-byte rows"
-    return tma_kv_reason(k, v)
+    if kernel != "dkdv":
+        return tma_kv_reason(k, v)
+    G = q.shape[2] // k.shape[2]
+    if G & (G - 1) or tiles.block_m % G:
+        return (f"G={G} query heads per KV head: not a power of two dividing the dK dV tile's "
+                f"{tiles.block_m} rows (a box holds whole tokens)")
+    if not (tma_layout(q) and tma_layout(do)):
+        return "q or do has a layout TMA cannot describe (16-byte strides and start, unit last)"
+    return None
 
 
-def _tma_loads(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether kernel "fwd" or "dq" reads K/V tiles through TMA descriptors (`utils.use_tma`:
-    None where `_tma_reason` allows on sm90+, True forces)."""
-    return use_tma(tma, _tma_reason(kernel, q, k, v), k)
+def _tma_loads(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor,
+               do: Optional[Tensor] = None) -> bool:
+    """Whether kernel "fwd" or "dq" reads K/V tiles, or "dkdv" Q/dO tiles, through TMA
+    descriptors (`utils.use_tma`: None where `_tma_reason` allows on sm90+, True forces)."""
+    return use_tma(tma, _tma_reason(kernel, q, k, v, do), k)
 
 
-def _kv_operands(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor
-                 ) -> tuple[dict, tuple, bool]:
-    """(launch meta, the kernel's KD / VD arguments, TMA) of kernel "fwd" or "dq": TMA
-    descriptors of k and v where `_tma_loads` picks them, else k and v themselves (unread)."""
-    tma = _tma_loads(kernel, tma, q, k, v)
+def _operands(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor,
+              do: Optional[Tensor] = None) -> tuple[dict, tuple, bool]:
+    """(launch meta, the kernel's descriptor arguments, TMA) of kernel "fwd" or "dq" (KD, VD)
+    or "dkdv" (QD, DOD): TMA descriptors where `_tma_loads` picks them, else the tensors
+    themselves (unread)."""
+    tma = _tma_loads(kernel, tma, q, k, v, do)
     meta = _kernel_meta(q, k.shape[3], v.shape[3], f"{kernel}_tma" if tma else kernel)
+    if kernel == "dkdv":
+        return meta, _row_descriptors(q, do, k.shape[2], meta) if tma else (q, do), tma
     kv = tma_descriptors(k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"]) if tma \
         else (k, v)
     return meta, kv, tma
+
+
+def _row_descriptors(q: Tensor, do: Tensor, H: int, meta: dict) -> tuple:
+    """TMA descriptors of q and do [B, T, HQ, D], one box a dK dV row tile of one KV head: its
+    BLOCK_M // G tokens x the G query heads (D padded as the tile is)."""
+    G = q.shape[2] // H
+    box = [1, meta["BLOCK_M"] // G, G]
+    return (TensorDescriptor.from_tensor(q, box + [meta["BLOCK_DK"]]),
+            TensorDescriptor.from_tensor(do, box + [meta["BLOCK_DV"]]))
 
 
 def _kernel_meta(q: Tensor, dk: int, dv: int, kernel: str) -> dict:
@@ -405,7 +444,7 @@ def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None, tma=None)
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
-    meta, kv, tma = _kv_operands("fwd", tma, q, k, v)
+    meta, kv, tma = _operands("fwd", tma, q, k, v)
     grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
     varlen = cu_seqlens is not None
     # fixed length: the kernel places query t at key t + Tk - T itself (no position arrays)
@@ -439,15 +478,15 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     w = torch.sym_min(window, Tk)
     shared = (T, Tk, H, G, w, scale * _LOG2E, scale)
-    meta, kv, tma = _kv_operands("dq", tma, q, k, v)
+    meta, kv, dq_tma = _operands("dq", tma, q, k, v)
     launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
         q, k, v, *kv, o, do, lse, dlse_arg, delta, starts, keypos, dq,
-        *_strides(q, k, v, o, do, dq), *shared, HAS_DLSE=dlse is not None, TMA=tma, **meta)
-    meta = _kernel_meta(q, Dk, Dv, "dkdv")
+        *_strides(q, k, v, o, do, dq), *shared, HAS_DLSE=dlse is not None, TMA=dq_tma, **meta)
+    meta, rows, dkdv_tma = _operands("dkdv", tma, q, k, v, do)
     spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"])
     launch(_bwd_dkdv_kernel)[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
-        q, k, v, do, lse, delta, starts, keypos, spans, dk, dv, *_strides(q, k, v, do, dk, dv),
-        *shared, **meta)
+        q, k, v, do, *rows, lse, delta, starts, keypos, spans, dk, dv,
+        *_strides(q, k, v, do, dk, dv), *shared, TMA=dkdv_tma, **meta)
     return dq, dk, dv
 
 
@@ -696,8 +735,8 @@ def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
                        cu_seqlens_k: Optional[Tensor] = None,
                        tma: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of q, k, v; dS = P * (dP - rowsum(dO * O) + dlse). tma (the
-    triton backend): the dQ kernel reads K/V through TMA descriptors (None: where `_tma_loads`
-    allows)."""
+    triton backend): the dQ kernel reads K/V and the dK dV kernel Q/dO through TMA descriptors
+    (None: each where `_tma_loads` allows; True forces both)."""
     _check_inputs(q, k, v, window, cu_seqlens)
     name = _backend_for(q, k, v, backend, cu_seqlens_k)
     _, bwd = _BACKENDS[name]

@@ -118,14 +118,16 @@ def test_triton_gpu_tiles_without_dlse(monkeypatch, poisoned_empty):
 
 
 @pytest.mark.parametrize("B,Tq,Tk,G,Dk,Dv,w,lengths", [
-    (2, 37, 37, 2, 32, 16, 8, None),  # the last key tile runs past the keys; two box widths
-    (1, 30, 70, 3, 16, 16, 20, None),  # queries at an offset
+    (2, 37, 37, 2, 32, 16, 8, None),  # the last key and row tiles run past the end; two box widths
+    (1, 30, 70, 4, 16, 16, 20, None),  # queries at an offset
     (1, 100, 100, 2, 16, 16, 40, (13, 1, 36, 50)),  # windows stop at sequence boundaries
+    (1, 30, 30, 3, 16, 16, 20, None),  # row tiles split groups: the dK dV kernel reads pointers
 ])
-def test_triton_forward_tma(B, Tq, Tk, G, Dk, Dv, w, lengths, poisoned_empty):
-    """K/V through TMA descriptors in the forward and dQ kernels (sm90+ GPUs; forced here, in the
-    interpreter): the same tiles as the pointer loads, so bitwise the same o, lse and grads, and
-    the reference's."""
+def test_triton_tma(B, Tq, Tk, G, Dk, Dv, w, lengths, poisoned_empty):
+    """Tiles through TMA descriptors (sm90+ GPUs; forced here, in the interpreter): K/V in the
+    forward and dQ kernels, Q/dO in the dK dV kernel where G is a power of two dividing its row
+    tile. The same tiles as the pointer loads, so bitwise the same o, lse and grads, and the
+    reference's."""
     q, k, v, _, _ = _inputs(B, Tk, H, G, Dk, Dv, torch.float32, seed=5)
     q = q[:, Tk - Tq:]
     cu = None if lengths is None else torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0)
@@ -136,7 +138,7 @@ def test_triton_forward_tma(B, Tq, Tk, G, Dk, Dv, w, lengths, poisoned_empty):
     for tma in (True, False):
         o, lse = win.sliding_window_fwd(q, k, v, w, scale, cu, backend="triton", tma=tma)
         grads = win.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale, cu,
-                                       backend="triton", tma=tma)
+                                       backend="triton", tma=tma and not G & (G - 1))
         outs[tma] = (o, lse, *grads)
     for name, a, b in zip(NAMES, outs[True], outs[False]):
         assert torch.equal(a, b), name
@@ -144,11 +146,21 @@ def test_triton_forward_tma(B, Tq, Tk, G, Dk, Dv, w, lengths, poisoned_empty):
                  torch.float32)
 
 
-def test_triton_forward_tma_refuses(poisoned_empty):
+def test_triton_tma_refuses(poisoned_empty):
     q, k, v, _, _ = _inputs(1, 20, H, 2, 16, 16, torch.float32)
     k_odd = torch.randn(1, 20, H, 17)[..., :16]  # token stride 68 bytes: no TMA descriptor
     with pytest.raises(ValueError, match="tma=True: k or v has a layout TMA cannot describe"):
         win.sliding_window_fwd(q, k_odd, v, 8, 0.25, backend="triton", tma=True)
+    o, lse = win.sliding_window_fwd(q, k, v, 8, 0.25, backend="triton")
+    do_odd = torch.randn(*q.shape[:3], 17)[..., :16]
+    with pytest.raises(ValueError, match="tma=True: q or do has a layout TMA cannot describe"):
+        win.sliding_window_bwd(q, k, v, o, lse, do_odd, None, 8, 0.25, backend="triton",
+                               tma=True)
+    q3, k3, v3, _, _ = _inputs(1, 20, H, 3, 16, 16, torch.float32)
+    o, lse = win.sliding_window_fwd(q3, k3, v3, 8, 0.25, backend="triton")
+    with pytest.raises(ValueError, match="tma=True: G=3 query heads per KV head"):
+        win.sliding_window_bwd(q3, k3, v3, o, lse, torch.randn_like(o), None, 8, 0.25,
+                               backend="triton", tma=True)
 
 
 def test_triton_strided_inputs(poisoned_empty):
