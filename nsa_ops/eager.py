@@ -154,26 +154,25 @@ class _Layer(torch.autograd.Function):
                 dv += dv_win
             else:
                 dq += dq_cmp
-        dk += _pool_backward(dk_cmp, k, plan)
-        dv += _pool_backward(dv_cmp, v, plan)
+        _add_pool_backward(dk, dk_cmp, k, plan)
+        _add_pool_backward(dv, dv_cmp, v, plan)
         gates = (dg_cmp, dg_slc, dg_win) if ctx.gate_grads else (None,) * 3
         return (None, dq, dk, dv, *(d if need else None for d, need in
                                     zip(gates, ctx.needs_input_grad[4:7])), None)
 
 
-def _pool_backward(grad: Tensor, x: Tensor, plan: Plan) -> Tensor:
-    """The gradient of x from that of its mean pooling: `reference.compress_mean_backward` at
-    fixed length with d dividing l, else autograd through the pooling done again (a graph kept
-    from the forward would be gone after one backward, and retain_graph asks for more)."""
-    if plan.cu_keys is None:
-        dx = reference.compress_mean_backward(grad, x.shape[1], plan.block_len,
-                                              plan.block_stride)
-        if dx is not None:
-            return dx
+def _add_pool_backward(dx: Tensor, grad: Tensor, x: Tensor, plan: Plan) -> None:
+    """dx += the gradient of x from that of its mean pooling: `reference.compress_mean_backward`
+    adding into dx at fixed length with d dividing l, else autograd through the pooling done
+    again (a graph kept from the forward would be gone after one backward, and retain_graph asks
+    for more)."""
+    if plan.cu_keys is None and reference.compress_mean_backward(
+            grad, x.shape[1], plan.block_len, plan.block_stride, out=dx) is not None:
+        return
     leaf = x.detach().requires_grad_()
     with torch.enable_grad():
         pooled = reference.compress_mean(leaf, plan.block_len, plan.block_stride, plan.cu_keys)
-        return torch.autograd.grad(pooled, leaf, grad)[0]
+        dx += torch.autograd.grad(pooled, leaf, grad)[0]
 
 
 def _add(out: Tensor, a: Tensor, b: Tensor) -> None:

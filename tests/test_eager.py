@@ -99,13 +99,17 @@ def test_add_into_kernel(n, dtype):
 def test_pool_backward_matches_autograd():
     """reference.compress_mean_backward, which the eager backward uses for fixed-length mean
     pooling with d | l, against autograd through compress_mean (T short of a block, ragged
-    ends, l = d, l = 3d)."""
+    ends, l = d, l = 3d), returned and added into a gradient so far."""
     for T, l, d in [(100, 32, 16), (64, 16, 16), (10, 32, 16), (97, 24, 8), (50, 16, 4)]:
         x = torch.randn(2, T, 3, 5, dtype=torch.float64, requires_grad=True)
         y = R.compress_mean(x, l, d)
         g = torch.randn(y.shape, dtype=torch.float64)
         want, = torch.autograd.grad(y, x, g)
         torch.testing.assert_close(R.compress_mean_backward(g, T, l, d), want)
+        so_far = torch.randn(x.shape, dtype=torch.float64)
+        out = so_far.clone()
+        assert R.compress_mean_backward(g, T, l, d, out=out) is out
+        torch.testing.assert_close(out, so_far + want)
     assert R.compress_mean_backward(g, 50, 20, 8) is None  # d does not divide l: autograd's
 
 
