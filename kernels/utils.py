@@ -2,6 +2,7 @@
 SDPA-based routes in nsa_ops (packed, compressed_sdpa) use them too."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -29,12 +30,23 @@ def tma_layout(x: Tensor) -> bool:
     return all(s > 0 and s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability(device), asked once per device: every op call asks (the
+    routing table, the TMA choice), and each ask cost the H100 machine's host 15-20 us."""
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
 def tma_engine(x: Tensor) -> bool:
     """Whether an eager launch on x's device can read tiles through TMA descriptors: Hopper's
     copy engine, on sm90+ GPUs. A launch traced for AOTInductor (inside a torch dispatch mode)
     keeps pointer loads: torch.library.wrap_triton takes no descriptors."""
     return x.device.type == "cuda" and not is_in_torch_dispatch_mode() \
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
+        and device_capability(x.device)[0] >= 9
 
 
 def tma_kv_reason(k: Tensor, v: Tensor) -> Optional[str]:

@@ -7,6 +7,7 @@ Backward ops are ops too, so compiled and exported backward graphs keep them opa
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -56,8 +57,11 @@ def _call(target: str, route: routing.Route, *args, **keys):
     head-major q would give a head-major o or dq); the op's contract is one layout on every route.
     """
     # inputs arrive in the dtypes the caller's autocast chose; inside, the implementation's own
-    # precision rules hold (float32 lse, float32 accumulation), not autocast's per-op casts
-    with torch.autocast(args[0].device.type, enabled=False):
+    # precision rules hold (float32 lse, float32 accumulation), not autocast's per-op casts.
+    # Entering a disabled autocast costs the host ~10 us, so only where one is on
+    device_type = args[0].device.type
+    with torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+            else contextlib.nullcontext():
         out = routing.resolve(target)(*args, **keys, **dict(route.options))
         observe.ran(route, target, args, keys, out)
     if isinstance(out, Tensor):

@@ -33,6 +33,7 @@ import torch
 import yaml
 
 from . import env
+from .kernels.utils import device_capability
 
 PREFILL_OPS = ("compressed_attention", "select_blocks", "selection_attention",
                "sliding_window_attention", "gate_combine")
@@ -75,7 +76,7 @@ class Inputs:
     @staticmethod
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False) -> "Inputs":
         cuda = q.device.type == "cuda"
-        sm = torch.cuda.get_device_capability(q.device) if cuda else None
+        sm = device_capability(q.device) if cuda else None
         T = q.shape[1]
         seqlen = T if isinstance(T, int) else T.node.maybe_as_int()
         return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], seqlen,
