@@ -1,24 +1,45 @@
 """Sweep the launch configs of the selection forward and dq kernels at one shape; prints median ms.
 
-    python bench/tune_selection.py [--seqlen 65536] [geometry flags | --config FILE.yaml]
+    python bench/tune_selection.py [--seqlen 65536] [--kernels fwd_tma dq]
+        [--key-tiles 32 64] [geometry flags | --config FILE.yaml]
 
 Used to pick `_PER_TOKEN_PICK` in kernels/selection.py among `PER_TOKEN_CONFIGS` (pointer loads)
-and `TMA_CONFIGS` (the forward's TMA loads, sm90+), then `_SHARED_PICK` among `SHARED_CONFIGS`
-at 64 and 128 `SHARED_ROWS` (the forward's shared pass, sm90+) (bf16, the
-selection bench_kernels.py times, at the geometry of bench/geometry.py, by default the spec's).
-The backward is timed whole (dq, then dk/dv at its fixed config), so dq rows differ by the dq
-kernel alone.
+and `TMA_CONFIGS` (the forward's TMA loads, sm90+), the key tiles of `_key_tile_size` (--key-tiles: each
+kernel also at these tiles; default its own), then `_SHARED_PICK` among `SHARED_CONFIGS` at 64
+and 128 `SHARED_ROWS` (the forward's shared pass, sm90+) (bf16, the selection bench_kernels.py
+times, at the geometry of bench/geometry.py, by default the spec's). The backward is timed whole
+(dq, then dk/dv at its fixed config), so dq rows differ by the dq kernel alone.
 """
+import contextlib
+
 import triton.testing
 
 import geometry
 from nsa_ops.kernels import selection as S
 from bench_kernels import random_selection, spec_inputs
 
+KERNELS = ("fwd", "fwd_tma", "dq", "shared")
+
+
+@contextlib.contextmanager
+def key_tile(kernel: str, keys):
+    """`_key_tile_size` answers `keys` for this kernel's family (None: unchanged)."""
+    own = S._key_tile_size
+    family = kernel.split("_")[0]
+    if keys is not None:
+        S._key_tile_size = lambda k, sel, dkp, dvp: (S._key_tile(sel, keys) if k == family
+                                                     else own(k, sel, dkp, dvp))
+    try:
+        yield
+    finally:
+        S._key_tile_size = own
+
 
 def main():
     p = geometry.parser(__doc__)
     p.add_argument("--seqlen", type=int, default=65536)
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=KERNELS)
+    p.add_argument("--key-tiles", nargs="+", type=int, default=[None])
     args, geo = geometry.parse(p)
     T, lp = args.seqlen, geo.sel_block
     q, k, v, do = spec_inputs(geo, args.batch, T)
@@ -31,14 +52,20 @@ def main():
                                                      shared=False)
     picked = dict(S._PER_TOKEN_PICK)
     shared_rows, shared_pick = S.SHARED_ROWS, S._SHARED_PICK
-    for kernel, fn, configs in (
-            ("fwd", fwd(False), S.PER_TOKEN_CONFIGS), ("fwd_tma", fwd(True), S.TMA_CONFIGS),
-            ("dq", lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale),
-             S.PER_TOKEN_CONFIGS)):
-        for cfg in configs:
-            S._PER_TOKEN_PICK = {**picked, kernel: cfg}
-            print(f"T={T} {kernel} (num_warps, num_stages)={cfg}: {bench(fn):.2f} ms", flush=True)
+    sweeps = {"fwd": (fwd(False), S.PER_TOKEN_CONFIGS), "fwd_tma": (fwd(True), S.TMA_CONFIGS),
+              "dq": (lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale),
+                     S.PER_TOKEN_CONFIGS)}
+    for kernel in (name for name in args.kernels if name in sweeps):
+        fn, configs = sweeps[kernel]
+        for keys in args.key_tiles:
+            with key_tile(kernel, keys):
+                for cfg in configs:
+                    S._PER_TOKEN_PICK = {**picked, kernel: cfg}
+                    print(f"T={T} {kernel} keys={keys or 'own'} (num_warps, num_stages)={cfg}: "
+                          f"{bench(fn):.2f} ms", flush=True)
         S._PER_TOKEN_PICK = picked
+    if "shared" not in args.kernels:
+        return
     print(f"T={T} fwd_tma without the shared pass: {bench(fwd_unshared):.2f} ms", flush=True)
     for rows in (64, 128):
         S.SHARED_ROWS = rows

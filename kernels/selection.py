@@ -273,8 +273,12 @@ def _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC: tl.constex
 # from address math, so one warp keeps three tiles in flight: 32-key tiles at (1, 3) 3.59 /
 # 16.59 ms at 16k / 64k against 3.93 / 16.46 with pointer loads (the query's own partial tile,
 # loaded apart by `_edge_tile`, costs 0.13 / 0.34 ms of that); the other TMA_CONFIGS 3.92-5.10 /
-# 17.5-20.5 (tune_selection.py). dq with TMA loads measured 37.4-483 ms at 64k: it keeps
-# pointer loads.
+# 17.5-20.5 (tune_selection.py). dq keeps pointer loads: a build reading its K/V through TMA
+# as the forward does (whole tiles by descriptor, the partial tile apart) measured, whole
+# backward on an H200 at 16k / 64k, 8.00-8.06 / 33.41-34.28 ms at its best TMA_CONFIGS (32-key
+# tiles at (1, 2), (2, 3); 64-key at (2, 2)) against 8.05 / 33.53 with pointer loads at (2, 2):
+# no gain for a second K/V path. On that H200 the forward with TMA loads measured 3.22 / 14.01
+# at (1, 2) and 3.28 / 14.08 at (1, 3); 64-key tiles 3.79-8.05 / 15.58-32.58.
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
 TMA_CONFIGS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 3))
 _PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2)}
