@@ -469,7 +469,7 @@ def _row_spans(keypos: Tensor, Tk: int, window: int, block_n: int) -> Tensor:
 def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens_k=None,
                 tma=None):
     B, T, HQ, Dk = q.shape
-    Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Tk, H = k.shape[1], k.shape[2]
     G = HQ // H
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
