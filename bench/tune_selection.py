@@ -4,11 +4,12 @@
         [--key-tiles 32 64] [geometry flags | --config FILE.yaml]
 
 Used to pick `_PER_TOKEN_PICK` in kernels/selection.py among `PER_TOKEN_CONFIGS` (pointer loads)
-and `TMA_CONFIGS` (the forward's TMA loads, sm90+), the key tiles of `_key_tile_size` (--key-tiles: each
-kernel also at these tiles; default its own), then `_SHARED_PICK` among `SHARED_CONFIGS` at 64
-and 128 `SHARED_ROWS` (the forward's shared pass, sm90+) (bf16, the selection bench_kernels.py
-times, at the geometry of bench/geometry.py, by default the spec's). The backward is timed whole
-(dq, then dk/dv at its fixed config), so dq rows differ by the dq kernel alone.
+and `TMA_CONFIGS` (the forward's TMA loads, sm90+), the key tiles of `_key_tile_size`
+(--key-tiles: each kernel also at these tiles; default its own), then `_SHARED_PICK` among
+`SHARED_CONFIGS` at 64 and 128 `SHARED_ROWS` (the forward's shared pass, sm90+) (bf16, the
+selection bench_kernels.py times, at the geometry of bench/geometry.py, by default the spec's). The
+backward is timed whole (dq, then dk/dv at its fixed config), so dq rows differ by the dq kernel
+alone.
 """
 import contextlib
 
