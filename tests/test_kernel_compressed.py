@@ -42,6 +42,7 @@ SEL_CASES = [
     (1, 20, 2, 2, 16, 32, 16, 64, 3),
     (1, 100, 1, 2, 16, 16, 8, 16, 16),  # n >= the padded block count: every visible block
     (1, 90, 1, 2, 16, 32, 8, 16, 4),  # l > l': compressed blocks span several selection blocks
+    (1, 300, 1, 2, 16, 32, 16, 48, 4),  # l'/d = 3 blocks per selection block: the loop
 ]
 SEL_IDS = ["B{}-T{}-H{}-G{}-Dk{}-l{}-d{}-s{}-n{}".format(*c) for c in SEL_CASES]
 
