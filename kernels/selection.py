@@ -278,7 +278,10 @@ def _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC: tl.constex
 # backward on an H200 at 16k / 64k, 8.00-8.06 / 33.41-34.28 ms at its best TMA_CONFIGS (32-key
 # tiles at (1, 2), (2, 3); 64-key at (2, 2)) against 8.05 / 33.53 with pointer loads at (2, 2):
 # no gain for a second K/V path. On that H200 the forward with TMA loads measured 3.22 / 14.01
-# at (1, 2) and 3.28 / 14.08 at (1, 3); 64-key tiles 3.79-8.05 / 15.58-32.58.
+# at (1, 2) and 3.28 / 14.08 at (1, 3); 64-key tiles 3.79-8.05 / 15.58-32.58. dq's registers
+# capped (maxnreg 160 / 168 / 176, so that more programs share an SM) or 32-key tiles at (1, 2):
+# whole backward at 64k 34.4-35.2 / 34.5-35.3 / 35.3-36.2 / 34.2-35.2 ms against 34.9-35.8 for
+# the pick, four interleaved rounds on an H100 (`ba542f5`): within the spread, the pick stays.
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
 TMA_CONFIGS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 3))
 _PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2)}
