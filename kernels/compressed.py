@@ -380,6 +380,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _offset_shares(o, L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr):
+    """With l <= l': (selection block j's share, block j + 1's) of the compressed block that
+    starts at offset o (in strides of d) inside block j, fp32."""
+    return (tl.minimum(SEL - o * STRIDE, L).to(tl.float32) / L,
+            tl.maximum(o * STRIDE + L - SEL, 0).to(tl.float32) / L)
+
+
+@triton.jit
 def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
                 L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, DK: tl.constexpr,
                 DK_PAD: tl.constexpr, TOK: tl.constexpr, G_PAD: tl.constexpr,
@@ -414,9 +422,7 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
         k = _load_keys(k_ptr, base + kr, skn, DK, DK_PAD, kr < ncmp)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.reshape(tl.exp2(s - lse2[:, None]), (TOK * G_PAD, R, SB))
-        # block j's share of a compressed block at offset o, and block j + 1's
-        w_own = tl.minimum(SEL - o * STRIDE, L).to(tl.float32) / L
-        w_spill = tl.maximum(o * STRIDE + L - SEL, 0).to(tl.float32) / L
+        w_own, w_spill = _offset_shares(o, L, STRIDE, SEL)
         own = tl.sum(p * w_own[None, :, None], 1)
         spill = tl.sum(p * w_spill[None, :, None], 1)
     else:
@@ -434,11 +440,11 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
                 start = kr * STRIDE
                 overlap = tl.minimum(start + L, (j + 1) * SEL) - tl.maximum(start, j * SEL)
                 own += p * (tl.maximum(overlap, 0).to(tl.float32) / L)[None, :]
-            elif (o * STRIDE + L) <= SEL:
-                own += p
             else:
-                own += p * ((SEL - o * STRIDE) / L)
-                spill += p * ((o * STRIDE + L - SEL) / L)
+                w_own, w_spill = _offset_shares(o, L, STRIDE, SEL)
+                own += p * w_own
+                if o * STRIDE + L > SEL:  # the block runs into j + 1
+                    spill += p * w_spill
     return (tl.sum(tl.reshape(own, (TOK, G_PAD, SB)), 1),
             tl.sum(tl.reshape(spill, (TOK, G_PAD, SB)), 1))
 
