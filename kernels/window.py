@@ -104,11 +104,30 @@ def _whole_span(r0, T, G, W, START, KEYPOS, OFF, BLOCK_M: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _row_span(ROWSPAN, G, BLOCK_M: tl.constexpr):
-    """Rows [lo, hi) whose windows can reach this program's key tile (ROWSPAN: the query range
-    per key tile), lo aligned to BLOCK_M."""
-    tile = tl.program_id(0)
-    return tl.load(ROWSPAN + 2 * tile) * G // BLOCK_M * BLOCK_M, tl.load(ROWSPAN + 2 * tile + 1) * G
+def _row_span(ROWSPAN, n0, T, G, W, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              VARLEN: tl.constexpr):
+    """Rows [lo, hi) whose windows can reach the key tile n0 .. n0 + BLOCK_N - 1, lo aligned to
+    BLOCK_M: from ROWSPAN (the query range per key tile) for packed sequences, else the tokens
+    t with n0 <= t + OFF <= n0 + BLOCK_N + W - 2."""
+    if VARLEN:
+        tile = n0 // BLOCK_N
+        lo = tl.load(ROWSPAN + 2 * tile)
+        hi = tl.load(ROWSPAN + 2 * tile + 1)
+    else:
+        lo = tl.maximum(n0 - OFF, 0)
+        hi = tl.minimum(n0 + BLOCK_N + W - 1 - OFF, T)
+    return lo * G // BLOCK_M * BLOCK_M, hi * G
+
+
+@triton.jit
+def _sees_whole(r0, n0, T, G, W, START, KEYPOS, OFF, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, VARLEN: tl.constexpr):
+    """Whether every row of r0 .. r0 + BLOCK_M is real and sees all of keys n0 .. n0 + BLOCK_N
+    - 1, so their scores need no band mask: a query's first visible key and its own key never
+    decrease with its index, so the last row's first key and the first row's own key decide."""
+    first, _ = _band((tl.minimum(r0 + BLOCK_M, T * G) - 1) // G, W, START, KEYPOS, OFF, VARLEN)
+    _, last = _band(r0 // G, W, START, KEYPOS, OFF, VARLEN)
+    return (r0 + BLOCK_M <= T * G) & (first <= n0) & (last >= n0 + BLOCK_N - 1)
 
 
 @triton.jit
@@ -173,17 +192,18 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, DKP, DVP,
+def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, OFF, DKP, DVP,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
                      sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
                      T, TK, H, G, W, qk_scale, scale,
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PRECISION: tl.constexpr, TMA: tl.constexpr):
+                     PRECISION: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr):
     """dK, dV of one key tile, summed over all G query heads of its group (no atomics).
     TMA: Q/dO row tiles come through the descriptors QD, DOD, one box the BLOCK_M // G tokens
     x G heads of a tile (`_row_descriptors`: G divides BLOCK_M, and tiles start at whole
-    tokens); without, QD and DOD go unread."""
+    tokens); without, QD and DOD go unread. Fixed length (VARLEN false) places queries at
+    key t + OFF in-kernel, so START, KEYPOS and ROWSPAN go unread."""
     # AOTInductor passes Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -203,15 +223,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, D
 
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    lo, hi = _row_span(ROWSPAN, G, BLOCK_M)
+    lo, hi = _row_span(ROWSPAN, n0, T, G, W, OFF, BLOCK_M, BLOCK_N, VARLEN)
     for r0 in range(lo, hi, BLOCK_M):
         # rows map to (token, head) by // and % G, so their offsets are recomputed per tile
         rows = r0 + tl.arange(0, BLOCK_M)
         ok = rows < T * G
         tok = tl.where(ok, rows // G, 0)
         head = kvh * G + rows % G
-        kpos = tl.load(KEYPOS + tok)
-        first = tl.maximum(kpos - W + 1, tl.load(START + tok))
+        first, kpos = _band(tok, W, START, KEYPOS, OFF, VARLEN)
         if TMA:
             at = [b, r0 // G, kvh * G, 0]  # rows past the last token read zeros
             q = tl.reshape(QD.load(at), (BLOCK_M, BLOCK_DK))
@@ -227,9 +246,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, D
         lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
 
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= kpos[:, None])
-        p = tl.where(band, tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+        if not _sees_whole(r0, n0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N, VARLEN):
+            band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
+                (cols[None, :] <= kpos[:, None])
+            p = tl.where(band, p, 0.0)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -245,10 +266,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, D
 def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, sdob, sdot, sdoh,
                    sdqb, sdqt, sdqh,
-                   T, TK, H, G, W, qk_scale, scale,
+                   T, TK, H, G, W, OFF, qk_scale, scale,
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr, TMA: tl.constexpr):
+                   PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
+                   TMA: tl.constexpr):
     """dQ of one row tile (tokens x the G heads of one KV head). It runs before the dK dV
     kernel and writes the rows' delta = rowsum(dO * O) - dlse for it: every row belongs to one
     program here, and dO is loaded anyway (a separate pass took 0.7 ms at 64k on an H100).
@@ -260,8 +282,7 @@ def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
     b = tl.program_id(1) // H
     kvh = tl.program_id(1) % H
     tok, head, ok = _rows(r0, kvh, T, G, BLOCK_M)
-    kpos = tl.load(KEYPOS + tok)
-    first = tl.maximum(kpos - W + 1, tl.load(START + tok))
+    first, kpos = _band(tok, W, START, KEYPOS, OFF, VARLEN)
     dk_r = tl.arange(0, BLOCK_DK)
     dv_r = tl.arange(0, BLOCK_DV)
     q_mask = ok[:, None] & (dk_r[None, :] < DK)
@@ -277,7 +298,8 @@ def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
     tl.store(DELTA + row, delta, mask=ok)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
-    lo, hi = _key_span(r0, T, G, W, START, KEYPOS, 0, BLOCK_M, BLOCK_N, True)
+    lo, hi = _key_span(r0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N, VARLEN)
+    whole_lo, whole_hi = _whole_span(r0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N, VARLEN)
     n = lo + tl.arange(0, BLOCK_N)
     k_ptrs = K + _offsets(b, n, kvh, skb, skt, skh, dk_r)
     v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv_r)
@@ -290,9 +312,11 @@ def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
         else:
             k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk_r[None, :] < DK), other=0.0)
             v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv_r[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        band = ok[:, None] & (cols[None, :] >= first[:, None]) & (cols[None, :] <= kpos[:, None])
-        p = tl.where(band, tl.exp2(s - lse[:, None]), 0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+        if (n0 < whole_lo) | (n0 >= whole_hi):
+            band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
+                (cols[None, :] <= kpos[:, None])
+            p = tl.where(band, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -474,19 +498,22 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     dlse_arg = delta if dlse is None else dlse.to(torch.float32).contiguous()  # unread if absent
-    starts, keypos = _positions(q, k, cu_seqlens, cu_seqlens_k)
+    varlen = cu_seqlens is not None
+    # fixed length: the kernels place query t at key t + Tk - T themselves (no position arrays)
+    starts, keypos = _positions(q, k, cu_seqlens, cu_seqlens_k) if varlen else (delta, delta)
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     w = torch.sym_min(window, Tk)
-    shared = (T, Tk, H, G, w, scale * _LOG2E, scale)
     meta, kv, dq_tma = _operands("dq", tma, q, k, v)
     launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
         q, k, v, *kv, o, do, lse, dlse_arg, delta, starts, keypos, dq,
-        *_strides(q, k, v, o, do, dq), *shared, HAS_DLSE=dlse is not None, TMA=dq_tma, **meta)
+        *_strides(q, k, v, o, do, dq), T, Tk, H, G, w, Tk - T, scale * _LOG2E, scale,
+        HAS_DLSE=dlse is not None, VARLEN=varlen, TMA=dq_tma, **meta)
     meta, rows, dkdv_tma = _operands("dkdv", tma, q, k, v, do)
-    spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"])
+    spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"]) if varlen else delta
     launch(_bwd_dkdv_kernel)[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
-        q, k, v, do, *rows, lse, delta, starts, keypos, spans, dk, dv,
-        *_strides(q, k, v, do, dk, dv), *shared, TMA=dkdv_tma, **meta)
+        q, k, v, do, *rows, lse, delta, starts, keypos, spans, Tk - T, dk, dv,
+        *_strides(q, k, v, do, dk, dv), T, Tk, H, G, w, scale * _LOG2E, scale,
+        VARLEN=varlen, TMA=dkdv_tma, **meta)
     return dq, dk, dv
 
 

@@ -122,6 +122,10 @@ def test_triton_gpu_tiles_without_dlse(monkeypatch, poisoned_empty):
     (1, 30, 70, 4, 16, 16, 20, None),  # queries at an offset
     (1, 100, 100, 2, 16, 16, 40, (13, 1, 36, 50)),  # windows stop at sequence boundaries
     (1, 30, 30, 3, 16, 16, 20, None),  # row tiles split groups: the dK dV kernel reads pointers
+    # windows wider than a row tile plus a key tile: interior tiles skip the band mask
+    (2, 80, 80, 2, 16, 16, 40, None),
+    (1, 60, 100, 2, 16, 16, 48, None),
+    (1, 100, 100, 2, 16, 16, 48, (13, 1, 36, 50)),
 ])
 def test_triton_tma(B, Tq, Tk, G, Dk, Dv, w, lengths, poisoned_empty):
     """Tiles through TMA descriptors (sm90+ GPUs; forced here, in the interpreter): K/V in the
