@@ -706,7 +706,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
 
 
 def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
-                queries_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+                queries_per_chunk: int, token_major: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Inverse of block_idx, chunked: which queries selected each (batch, KV head, block).
 
     Returns ent_tok int32 [E] (query token of each valid (b, t, h, slot) entry, grouped by block,
@@ -717,6 +717,12 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
     repeat follows it in the sort and gets ent_tok = -1, which the dk/dv kernel skips (finding
     repeats by sorting each row first took 1.5 ms of a 64k backward on an H100). Everything
     stays on device: no host sync, CUDA-graph capturable.
+
+    token_major: chunks ordered by (b * H + h, their first query) instead of by block, so that
+    the programs running at one time read the q / dO rows of a narrow range of tokens, which L2
+    then serves to each of the n blocks those tokens picked, instead of HBM serving each pick
+    (random selections scatter a block's queries over the whole sequence). The deterministic
+    mode keeps chunks of a block consecutive, in order (`ordered`).
     """
     B, T, H, n = block_idx.shape
     device = block_idx.device
@@ -757,6 +763,10 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
     e1 = torch.minimum(e0 + queries_per_chunk, hi[kid])
     e0, e1 = torch.where(real, e0, 0), torch.where(real, e1, 0)
     chunks = torch.stack([e0, e1, kid // Tk, kid % Tk], dim=1).to(torch.int64)
+    if token_major:
+        first_query = ent_pos[e0.clamp(max=max(E - 1, 0))].to(torch.int64)
+        rank = torch.where(e1 > e0, chunks[:, 2] * (Tk + 1) + first_query, B * H * (Tk + 1))
+        chunks = chunks[torch.argsort(rank)]
     return ent_tok, ent_pos, chunks
 
 
@@ -854,9 +864,10 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     gp2 = pow2(G)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
     queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
-    ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, queries_per_chunk)
-    grid = (chunks.shape[0], triton.cdiv(sel_block, bn))
     ordered_adds = torch.are_deterministic_algorithms_enabled()
+    ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, queries_per_chunk,
+                                           token_major=not ordered_adds)
+    grid = (chunks.shape[0], triton.cdiv(sel_block, bn))
     sync = ordered.sync_buffer(grid[0] * grid[1], q.device) if ordered_adds else bidx
     launch(_dkdv_kernel)[(grid[0] * grid[1],) if ordered_adds else grid](
         q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync,
