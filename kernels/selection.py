@@ -28,7 +28,7 @@ Under torch.use_deterministic_algorithms(True) the chunks of a block add in chun
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import triton
@@ -46,8 +46,10 @@ LN2 = tl.constexpr(math.log(2.0))
 # Query rows (tokens x heads of a group) per dk/dv program: large enough that the chunks of a block
 # selected by every query rarely contend on the atomics, small enough to keep the grid balanced.
 # H100, spec geometry, random selection, whole selection backward at 16k / 64k (.gpu-style
-# sweep): 512 rows 8.61 / 36.26 ms, 1024 8.29 / 36.25, 2048 8.13 / 34.36, 4096 8.17 / 34.38,
-# 8192 8.19 / 35.04, 32768 8.61 / 34.06.
+# sweep, chunks in block order): 512 rows 8.61 / 36.26 ms, 1024 8.29 / 36.25, 2048 8.13 / 34.36,
+# 4096 8.17 / 34.38, 8192 8.19 / 35.04, 32768 8.61 / 34.06. With chunks in token order (three
+# rounds, random / coherent at 64k): 1024 34.55-34.79 / 33.27-33.44, 2048 34.40-34.50 /
+# 33.08-33.22, 3072-6144 34.44-34.58 / 33.30-33.68, 16384 35.00-35.11 / 34.36-34.45 ms.
 ROWS_PER_CHUNK = 2048
 
 
@@ -484,15 +486,16 @@ def _shared_fwd_kernel(q, k, v, o, lse, bidx, OFF, sq_b, sq_t, sq_h, sk_b, sk_t,
 
 
 @triton.jit
-def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, cu_q, cu_k, OFF, NSEQ,
-               sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_q, cu_k, OFF,
+               NSEQ, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h,
                T, N, scale, qk_scale,
                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
-               HAS_DLSE: tl.constexpr, PREC: tl.constexpr):
-    """dq of one (token, group); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass."""
+               HAS_DLSE: tl.constexpr, ADDS: tl.constexpr, PREC: tl.constexpr):
+    """dq of one (token, group), plus the first ADDS of dq_add0, dq_add1 (gradients laid out
+    like dq); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass."""
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -523,7 +526,13 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, bidx, cu_q, cu_k, OFF, NSEQ
         kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
         acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)
-    _store_tile(dq, b * sdq_b + t * sdq_t + heads * sdq_h, gmask, acc * scale, DK, DKP)
+    rows = b * sdq_b + t * sdq_t + heads * sdq_h
+    acc *= scale
+    if ADDS > 0:
+        acc += _load_tile(dq_add0, rows, gmask, DK, DKP).to(tl.float32)
+    if ADDS > 1:
+        acc += _load_tile(dq_add1, rows, gmask, DK, DKP).to(tl.float32)
+    _store_tile(dq, rows, gmask, acc, DK, DKP)
 
 
 @triton.jit
@@ -831,18 +840,28 @@ def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
 def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                             dlse: Optional[Tensor], block_idx: Tensor, sel_block: int,
                             scale: float, cu_seqlens: Optional[Tensor] = None, *,
-                            cu_seqlens_k: Optional[Tensor] = None
+                            cu_seqlens_k: Optional[Tensor] = None,
+                            dq_add: Sequence[Tensor] = ()
                             ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None."""
+    """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None. dq_add: up
+    to two gradients shaped like q that dq comes back summed with (the layer's other branches'
+    dq), added in fp32 in the dq kernel's epilogue and rounded once: no pass of their own."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     G, n = HQ // H, block_idx.shape[3]
+    if len(dq_add) > 2 or any(x.shape != q.shape or x.device != q.device for x in dq_add):
+        raise ValueError(f"dq_add must hold at most two tensors shaped like q "
+                         f"{tuple(q.shape)} on {q.device}, got "
+                         f"{[(tuple(x.shape), str(x.device)) for x in dq_add]}")
     dq = torch.empty(B, T, HQ, Dk, dtype=q.dtype, device=q.device)
     dk = torch.zeros(B, Tk, H, Dk, dtype=torch.float32, device=q.device)
     dv = torch.zeros(B, Tk, H, Dv, dtype=torch.float32, device=q.device)
     if dq.numel() == 0 or n == 0:
-        return dq.zero_(), dk.to(k.dtype), dv.to(v.dtype)
+        dq.zero_()
+        for x in dq_add:
+            dq += x
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
     # dO and O meet q's dtype in the dots (an fp32 upstream gradient is rounded like o was)
     q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o.to(q.dtype), do.to(q.dtype)))
     lse = lse.to(torch.float32).contiguous()
@@ -852,14 +871,17 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     prec = dot_precision(q.dtype)
+    # dq's layout, so that the kernel reads them at dq's offsets
+    adds = [x.contiguous() for x in dq_add]
     launch(_dq_kernel)[(T, B * H)](
-        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, bidx,
+        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq,
+        *(adds + [dq] * (2 - len(adds))), bidx,
         *queries.kernel_args(bidx),
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
         T, n, scale, scale * math.log2(math.e),
         H=H, G=G, GP=pow2(G, 16), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
         BN=_key_tile_size("dq", sel_block, dkp, dvp), NP=pow2(n), IS_VARLEN=queries.varlen,
-        HAS_DLSE=dlse is not None, PREC=prec, **_per_token_launch("dq"))
+        HAS_DLSE=dlse is not None, ADDS=len(adds), PREC=prec, **_per_token_launch("dq"))
 
     gp2 = pow2(G)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)

@@ -6,13 +6,14 @@ against 80-220 us for the routed implementation call (`ops._call`), so at 8k tok
 waited on the host. Here one torch.autograd.Function runs the same bodies (`CustomOpDef._init_fn`:
 validation, the routing table's choice, the implementation, logging and parity checks) in the
 same order, and its backward runs the backward ops' bodies and sums the branches' gradients
-itself: dq's three parts in one pass on CUDA (kernels/accumulate.py; autograd's two adds took
-2.09 ms at 64k), mean pooling's backward as `reference.compress_mean_backward` (autograd's unfold
-backward took 0.76 ms at 64k). H100, spec geometry, forward+backward from an idle GPU against
+itself: dq's three parts in the selection dq kernel's epilogue, which runs last
+(`ops.selection_backward_adding`; autograd's two adds took 2.09 ms at 64k, a one-pass sum 1.38),
+mean pooling's backward as `reference.compress_mean_backward` (autograd's unfold backward took
+0.76 ms at 64k). H100, spec geometry, forward+backward from an idle GPU against
 NSA_OPS_EAGER_LAYER=0, two readings each in one run: 8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k
 23.20 / 23.26 -> 22.14 / 22.04, 64k 117.45 / 117.57 -> 115.71 / 116.72. The cost is memory: the
 node's saved branch outputs live until its backward is done, where the ops' nodes free theirs
-one by one, and the three dq parts meet in one add: the step's peak 3.89 -> 4.17 GB at 16k,
+one by one, and the three dq parts meet in the selection backward: the step's peak 3.89 -> 4.17 GB at 16k,
 15.58 -> 16.70 at 64k.
 
 It serves only where nothing could tell it from the ops: eager calls on plain tensors, no
@@ -131,29 +132,30 @@ class _Layer(torch.autograd.Function):
                 do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_combine_backward._init_fn(
                     do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads)
             del do
-            # the longest backward first: the GPU runs it while the host enqueues the rest
-            with _named("selection_attention_backward"):
-                dq, dk, dv = ops.selection_attention_backward._init_fn(
-                    q, k, v, o_slc, lse_slc, do_slc, None, block_idx, plan.sel_block,
-                    plan.scale, cu_q, cu_k)
-            del do_slc
-            with _named("compressed_attention_backward"):
-                dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
-                    q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, None,
-                    plan.block_len, plan.block_stride, plan.scale, cu_q, cu_k,
-                    plan.cmp_keys.get("seqlen_k"))
-            del do_cmp
+            dq_parts = []
             if plan.window:
                 with _named("sliding_window_attention_backward"):
                     dq_win, dk_win, dv_win = ops.sliding_window_attention_backward._init_fn(
                         q, k, v, o_win, lse_win, do_win, None, plan.window, plan.scale, cu_q,
                         cu_k)
                 del do_win
-                _add(dq, dq_cmp, dq_win)
+                dq_parts.append(dq_win)
+            with _named("compressed_attention_backward"):
+                dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
+                    q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, None,
+                    plan.block_len, plan.block_stride, plan.scale, cu_q, cu_k,
+                    plan.cmp_keys.get("seqlen_k"))
+            del do_cmp
+            dq_parts.append(dq_cmp)
+            # last, so that its dq kernel sums the other branches' dq as it writes its own
+            with _named("selection_attention_backward"):
+                dq, dk, dv = ops.selection_backward_adding(
+                    tuple(dq_parts), q, k, v, o_slc, lse_slc, do_slc, None, block_idx,
+                    plan.sel_block, plan.scale, cu_q, cu_k)
+            del do_slc
+            if plan.window:
                 dk += dk_win
                 dv += dv_win
-            else:
-                dq += dq_cmp
         _add_pool_backward(dk, dk_cmp, k, plan)
         _add_pool_backward(dv, dv_cmp, v, plan)
         gates = (dg_cmp, dg_slc, dg_win) if ctx.gate_grads else (None,) * 3
@@ -174,11 +176,3 @@ def _add_pool_backward(dx: Tensor, grad: Tensor, x: Tensor, plan: Plan) -> None:
         pooled = reference.compress_mean(leaf, plan.block_len, plan.block_stride, plan.cu_keys)
         dx += torch.autograd.grad(pooled, leaf, grad)[0]
 
-
-def _add(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out += a + b: in one pass on CUDA (kernels/accumulate.py), two torch adds elsewhere."""
-    if out.is_cuda and out.is_contiguous() and a.is_contiguous() and b.is_contiguous():
-        from nsa_ops.kernels.accumulate import add_into  # Triton: imported where it runs
-        add_into(out, a, b)
-    else:
-        out.add_(a).add_(b)

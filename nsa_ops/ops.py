@@ -229,10 +229,28 @@ def selection_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
                                  cu_seqlens: Optional[Tensor] = None,
                                  cu_seqlens_k: Optional[Tensor] = None
                                  ) -> tuple[Tensor, Tensor, Tensor]:
+    return selection_backward_adding((), q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
+                                     cu_seqlens, cu_seqlens_k)
+
+
+def selection_backward_adding(dq_add: tuple[Tensor, ...], q: Tensor, k: Tensor, v: Tensor,
+                              o: Tensor, lse: Tensor, do: Tensor, dlse: Optional[Tensor],
+                              block_idx: Tensor, sel_block: int, scale: float,
+                              cu_seqlens: Optional[Tensor] = None,
+                              cu_seqlens_k: Optional[Tensor] = None
+                              ) -> tuple[Tensor, Tensor, Tensor]:
+    """selection_attention_backward's body, its dq summed with the gradients dq_add (shaped
+    like q): inside the backward where the route takes them (`Route.adds_dq`), else after."""
     kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
     route = _route("selection_attention", q, v, cu_seqlens, offset)
-    return _call(route.backward, route, q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
-                 cu_seqlens, **kw)
+    if route.adds_dq:
+        kw["dq_add"] = dq_add
+    dq, dk, dv = _call(route.backward, route, q, k, v, o, lse, do, dlse, block_idx, sel_block,
+                       scale, cu_seqlens, **kw)
+    if not route.adds_dq:
+        for x in dq_add:
+            dq += x
+    return dq, dk, dv
 
 
 @selection_attention_backward.register_fake

@@ -500,6 +500,9 @@ class Route:
     defer: Refusal = _always  # soft refusal: a later row is preferred, unless this impl is forced
     # forward and backward run on CPU tensors under TRITON_INTERPRET=1 (see INTERPRETER_SM)
     interpreted: bool = False
+    # the backward takes dq_add=: gradients it sums into dq on the way (nsa_ops.eager's layer
+    # hands the selection backward the other branches' dq), instead of a pass after it
+    adds_dq: bool = False
 
 
 _REF = "nsa_ops.reference"
@@ -520,11 +523,11 @@ TABLE: tuple[Route, ...] = (
     Route("select_blocks", "reference", f"{_REF}:select_blocks", None, _always),
     Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
           "nsa_ops.kernels.selection:selection_attention_bwd", _triton,
-          defer=_selection_kernel_preferred, interpreted=True),
+          defer=_selection_kernel_preferred, interpreted=True, adds_dq=True),
     # the backward reuses the Triton kernels, which serve every input this row serves
     Route("selection_attention", "packed_sdpa", "nsa_ops.packed:selection_attention_packed",
           "nsa_ops.kernels.selection:selection_attention_bwd", _first(_triton, _no_offset),
-          interpreted=True),
+          interpreted=True, adds_dq=True),
     Route("selection_attention", "reference", f"{_REF}:selection_attention",
           f"{_REF}:selection_attention_backward", _always),
     Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,

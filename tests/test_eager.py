@@ -6,6 +6,7 @@ import torch
 
 import nsa_ops
 from nsa_ops import reference as R
+from nsa_ops import routing
 from helpers import SMALL, cu_seqlens, gates, qkv
 
 # (Tq, Tk, window, gate grads, packed lengths, given block_idx)
@@ -81,19 +82,18 @@ def test_eager_layer_without_grad(monkeypatch):
     torch.testing.assert_close(o, o_ops, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("n,dtype", [(5000, torch.float32), (4096, torch.float16), (7, torch.float32)])
-def test_add_into_kernel(n, dtype):
-    """kernels/accumulate.py (the eager backward's dq sum on CUDA) in the Triton interpreter:
-    out += a + b over whole and partial blocks, in fp32, rounded once."""
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_eager_dq_sum_on_either_route(monkeypatch, impl):
+    """The branches' dq meet in the selection backward where its route takes them
+    (`Route.adds_dq`: the Triton dq kernel's epilogue) and are added after it elsewhere."""
     pytest.importorskip("triton")
-    from nsa_ops.kernels.accumulate import add_into
-    gen = torch.Generator().manual_seed(9)
-    out, a, b = (torch.randn(n, generator=gen).to(dtype) for _ in range(3))
-    want = (out.float() + a.float() + b.float()).to(dtype)  # its order of fp32 adds
-    add_into(out, a, b)
-    torch.testing.assert_close(out, want, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="b must match out"):
-        add_into(out, a, b[:-1])
+    assert routing.route("selection_attention", impl).adds_dq == (impl == "triton")
+    with routing.force(selection_attention=impl):
+        o, grads, _ = _layer(monkeypatch, True, *CASES[0])
+        assert type(o.grad_fn).__name__ == "_LayerBackward"
+        _, grads_ops, _ = _layer(monkeypatch, False, *CASES[0])
+    for name, got, want in zip(("dq", "dk", "dv"), grads, grads_ops):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_pool_backward_matches_autograd():

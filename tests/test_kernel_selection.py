@@ -260,6 +260,29 @@ def test_selection_kernels_ordered(case, monkeypatch, poisoned_empty, determinis
     run_case(q, k, v, random_block_idx(B, T, H, n, sel_block), sel_block, dtype, with_dlse)
 
 
+@pytest.mark.parametrize("adds,dtype", [(1, torch.float32), (2, torch.float32),
+                                         (2, torch.float16)])
+def test_selection_dq_add(adds, dtype, poisoned_empty):
+    """dq_add: the dq kernel comes back with the given gradients summed in (fp32, one rounding),
+    dk and dv untouched; a wrong shape is refused by name."""
+    q, k, v = make_qkv(1, 50, 2, 2, 32, 16, dtype)
+    block_idx = random_block_idx(1, 50, 2, 3, 16)
+    scale = 32 ** -0.5
+    o, lse = selection_attention_fwd(q, k, v, block_idx, 16, scale)
+    gen = torch.Generator().manual_seed(8)
+    do = torch.randn(o.shape, generator=gen).to(dtype)
+    parts = [torch.randn(q.shape, generator=gen).to(dtype) for _ in range(adds)]
+    plain = selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, 16, scale)
+    summed = selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, 16, scale,
+                                     dq_add=parts)
+    assert summed[0].dtype == dtype
+    assert_close("dq", summed[0], plain[0].double() + sum(x.double() for x in parts), dtype)
+    assert torch.equal(summed[1], plain[1]) and torch.equal(summed[2], plain[2])
+    with pytest.raises(ValueError, match="dq_add must hold at most two tensors shaped like q"):
+        selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, 16, scale,
+                                dq_add=[parts[0][:, :-1]])
+
+
 @pytest.mark.parametrize("selection,tma", [("spec", None), ("random", None), ("random", True)])
 def test_selection_kernels_varlen(selection, tma, poisoned_empty):
     cu_seqlens = torch.tensor([0, 21, 60, 97], dtype=torch.int32)
