@@ -13,8 +13,8 @@ mean pooling's backward as `reference.compress_mean_backward` (autograd's unfold
 NSA_OPS_EAGER_LAYER=0, two readings each in one run: 8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k
 23.20 / 23.26 -> 22.14 / 22.04, 64k 117.45 / 117.57 -> 115.71 / 116.72. The cost is memory: the
 node's saved branch outputs live until its backward is done, where the ops' nodes free theirs
-one by one, and the three dq parts meet in the selection backward: the step's peak 3.89 -> 4.17 GB at 16k,
-15.58 -> 16.70 at 64k.
+one by one, and the three dq parts meet in the selection backward: the step's peak 3.89 ->
+4.17 GB at 16k, 15.58 -> 16.70 at 64k.
 
 It serves only where nothing could tell it from the ops: eager calls on plain tensors, no
 torch.compile, export, FakeTensor, DTensor, dispatch or function modes or functorch transforms,
