@@ -773,7 +773,7 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
     e0, e1 = torch.where(real, e0, 0), torch.where(real, e1, 0)
     chunks = torch.stack([e0, e1, kid // Tk, kid % Tk], dim=1).to(torch.int64)
     if token_major:
-        first_query = ent_pos[e0.clamp(max=max(E - 1, 0))].to(torch.int64)
+        first_query = ent_pos[e0].to(torch.int64)  # e0 < E: unreal chunks hold 0
         rank = torch.where(e1 > e0, chunks[:, 2] * (Tk + 1) + first_query, B * H * (Tk + 1))
         chunks = chunks[torch.argsort(rank)]
     return ent_tok, ent_pos, chunks

@@ -120,17 +120,6 @@ def _row_span(ROWSPAN, n0, T, G, W, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _sees_whole(r0, n0, T, G, W, START, KEYPOS, OFF, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, VARLEN: tl.constexpr):
-    """Whether every row of r0 .. r0 + BLOCK_M is real and sees all of keys n0 .. n0 + BLOCK_N
-    - 1, so their scores need no band mask: a query's first visible key and its own key never
-    decrease with its index, so the last row's first key and the first row's own key decide."""
-    first, _ = _band((tl.minimum(r0 + BLOCK_M, T * G) - 1) // G, W, START, KEYPOS, OFF, VARLEN)
-    _, last = _band(r0 // G, W, START, KEYPOS, OFF, VARLEN)
-    return (r0 + BLOCK_M <= T * G) & (first <= n0) & (last >= n0 + BLOCK_N - 1)
-
-
-@triton.jit
 def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
                 T, TK, H, G, W, qk_scale,
@@ -247,7 +236,10 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
 
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
-        if not _sees_whole(r0, n0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N, VARLEN):
+        # the band mask only where a row is padding or does not see the whole key tile
+        whole_lo, whole_hi = _whole_span(r0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N,
+                                         VARLEN)
+        if (r0 + BLOCK_M > T * G) | (n0 < whole_lo) | (n0 >= whole_hi):
             band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
                 (cols[None, :] <= kpos[:, None])
             p = tl.where(band, p, 0.0)
