@@ -8,12 +8,16 @@ block named twice counts once, as in `nsa_ops.reference.selection_attention` /
 Forward and dq are group-centric: one program per (query token, batch * KV head) holds the G query
 heads of the group as one [GP, D] tile (GP >= 16 so tl.dot has M >= 16) and walks the token's
 selected blocks, so each K/V block is read once per group rather than once per query head.
-Block 0 and the two local blocks, which NSA forces on every query, would still be read once per
-query: where the forward reads K/V through TMA (sm90+, fixed length) a shared pass first attends
-them for groups of consecutive queries as one tile (`_shared_fwd_kernel`), and the per-token walk
-leaves them out and merges that pass's output last. H100, bf16, spec geometry, T = 64k: the
-forward 16.69 -> 15.43 ms (the walk 13.70 of it); the merge rounds the pass's output to o's dtype
-once more.
+Blocks that neighbouring queries share would still be read once per query: block 0 and the two
+local blocks, which NSA forces on every query, and in trained models most of the rest, since
+neighbouring tokens select alike. Where the forward reads K/V through TMA (sm90+, fixed length) a
+shared pass first attends, for groups of consecutive queries, the blocks all of the group's
+queries selected, as one tile (`_shared_fwd_kernel`), and the per-token walk takes only each
+query's other blocks and merges that pass's output last (the merge rounds it to o's dtype once
+more). H100, bf16, spec geometry, T = 64k: forced blocks alone shared, 16.69 -> 15.43 ms (the walk
+13.70 of it); every block the group shares, random selections 15.37-15.43 -> 15.61-15.65 ms,
+runs of 64 tokens selecting alike 13.29-13.60 -> 8.17-8.30, the same with 5% / 20% of their
+blocks replaced at random 13.33-13.53 -> 9.40-9.54 / 13.61-13.63 -> 11.72-11.79.
 
 dk/dv are key-centric: each K/V block must sum over every query that selected it, and block 0 and
 the local blocks are selected by (nearly) every query. Atomics from the per-token programs would add
@@ -97,23 +101,81 @@ def _query_keys(cu_q, cu_k, NSEQ, t):
 
 
 @triton.jit
-def _group_shared(bidx, b, h, base, OFF, T, N, H: tl.constexpr, SEL: tl.constexpr,
-                  TT: tl.constexpr, NP: tl.constexpr):
-    """Which blocks the shared pass (`_shared_fwd_kernel`) attends for the group of TT queries at
-    key positions base .. base + TT - 1 (fixed length; TT divides l', so they share selection
-    block c = base // l'): (block 0 when c >= 1, block c - 1 when c >= 2, block c), each only if
-    every query of the group inside [0, T) selected it, so that no query sees a block it did not
-    pick. NSA's forced blocks (0 and the two local ones) always qualify."""
+def _group_rows(bidx, b, h, base, OFF, T, N, H: tl.constexpr, TT: tl.constexpr,
+                NP: tl.constexpr):
+    """(rows, real): the block_idx rows [TT, NP] of the group of TT queries at key positions
+    base .. base + TT - 1 (fixed length), -1 past slot N and for the group's queries outside
+    [0, T), which real [TT] marks."""
     toks = base - OFF + tl.arange(0, TT)
     real = (toks >= 0) & (toks < T)
     slots = tl.arange(0, NP)
-    blk = tl.load(bidx + (((b * T + toks) * H + h) * N)[:, None] + slots[None, :],
-                  mask=real[:, None] & (slots[None, :] < N), other=-1)
-    c = base // SEL
-    zero = tl.min(tl.where(real, tl.max((blk == 0).to(tl.int32), axis=1), 1), axis=0) > 0
-    prev = tl.min(tl.where(real, tl.max((blk == c - 1).to(tl.int32), axis=1), 1), axis=0) > 0
-    cur = tl.min(tl.where(real, tl.max((blk == c).to(tl.int32), axis=1), 1), axis=0) > 0
-    return zero & (c >= 1), prev & (c >= 2), cur
+    rows = tl.load(bidx + (((b * T + toks) * H + h) * N)[:, None] + slots[None, :],
+                   mask=real[:, None] & (slots[None, :] < N), other=-1)
+    return rows, real
+
+
+@triton.jit
+def _shared_by_group(blk, rows, real, c):
+    """Which of the blocks blk [NP] the shared pass (`_shared_fwd_kernel`) attends for the group
+    of `_group_rows` (rows, real), whose queries share selection block c (TT divides l'): the
+    blocks up to c that every query of the group selected, so that no query sees a block it did
+    not pick. NSA's forced blocks (0 and the two local ones) always qualify; where neighbouring
+    queries select alike, as trained models' do, the rest of their blocks do too."""
+    picked = tl.max((blk[:, None, None] == rows[None, :, :]).to(tl.int32), axis=2)
+    every = tl.min(tl.where(real[None, :], picked, 1), axis=1) > 0
+    return every & (blk >= 0) & (blk <= c)
+
+
+@triton.jit
+def _distinct(rows):
+    """rows [R, NP] of block_idx: where a slot holds a block (>= 0) that no earlier slot of its
+    row names."""
+    slots = tl.arange(0, rows.shape[1])
+    repeat = tl.max(((rows[:, :, None] == rows[:, None, :])
+                     & (slots[None, None, :] < slots[None, :, None])).to(tl.int32), axis=2) > 0
+    return (rows >= 0) & ~repeat
+
+
+@triton.jit
+def _compact(blk, keep):
+    """The blocks blk [R, NP] where keep, in slot order, moved to the front of their rows:
+    ([R, NP] blocks, 0 past each row's count; [R] counts)."""
+    slots = tl.arange(0, blk.shape[1])
+    at = tl.cumsum(keep.to(tl.int32), axis=1) - 1
+    front = tl.sum(tl.where(keep[:, :, None] & (at[:, :, None] == slots[None, None, :]),
+                            blk[:, :, None], 0), axis=1)
+    return front, tl.sum(keep.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _shared_list(rows, real, c):
+    """The blocks the shared pass attends for the group of `_group_rows` (rows, real) at
+    selection block c (`_shared_by_group`), once each, from the group's first real query's row:
+    ([NP] blocks, the first `count` of them real; count)."""
+    member = tl.arange(0, rows.shape[0])
+    first = tl.min(tl.where(real, member, rows.shape[0]), axis=0)
+    blk = tl.sum(tl.where(member[:, None] == first, rows, 0), axis=0)
+    shared = _shared_by_group(blk, rows, real, c) & tl.reshape(_distinct(blk[None, :]), blk.shape)
+    listed, count = _compact(blk[None, :], shared[None, :])
+    return tl.reshape(listed, blk.shape), tl.sum(count, axis=0)
+
+
+@triton.jit
+def _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H: tl.constexpr, c):
+    """Writes the walk's rows (`_token_blocks` with TT > 0) for the group's queries toks [TT]
+    into rest (shaped like block_idx): each query's distinct blocks less the shared ones
+    (listed[:count]), first, then -2 where the shared pass attended block c (the queries' own,
+    which the walk then finishes after the pass's keys), else -1. The shared pass's programs
+    work them out 4 warps at a time for TT queries, rather than every per-token program for its
+    group again."""
+    slots = tl.arange(0, rows.shape[1])
+    listed_now = (listed[None, None, :] == rows[:, :, None]) & (slots < count)[None, None, :]
+    keep = _distinct(rows) & (tl.max(listed_now.to(tl.int32), axis=2) == 0)
+    front, kept = _compact(rows, keep)
+    own = tl.max(((listed == c) & (slots < count)).to(tl.int32), axis=0) > 0
+    front = tl.where(slots[None, :] < kept[:, None], front, tl.where(own, -2, -1))
+    tl.store(rest + (((b * T + toks) * H + h) * N)[:, None] + slots[None, :], front,
+             mask=real[:, None] & (slots[None, :] < N))
 
 
 @triton.jit
@@ -129,27 +191,25 @@ def _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H: tl.constexpr,
     last; start; last: the packed key position of query t, t + OFF for fixed length, where
     OFF = Tk - Tq puts queries at the end of longer keys; varlen: from the offsets cu_q / cu_k of
     NSEQ sequences; done: the last key of the query's own block the shared pass attended, -1
-    where it did not). TT > 0 (fixed length): the shared pass over groups of TT queries ran
-    (`_group_shared`), its blocks are not kept. `_slot_block` reads slot s back.
+    where it did not). TT > 0 (fixed length): the shared pass over groups of TT queries ran, and
+    bidx holds its `_rest_rows` instead of block_idx. `_slot_block` reads slot s back.
     """
     row = bidx + ((b * T + t) * H + h) * N
     slots = tl.arange(0, NP)
     blk = tl.load(row + slots, mask=slots < N, other=-1)
-    repeat = tl.sum(((blk[:, None] == blk[None, :]) & (slots[None, :] < slots[:, None]))
-                    .to(tl.int32), axis=1) > 0
-    keep = (blk >= 0) & ~repeat
     if IS_VARLEN:
         start, last = _query_keys(cu_q, cu_k, NSEQ, t)
     else:
         start = tl.zeros([], tl.int64)
         last = t + OFF
-    done = tl.full([], -1, tl.int64)
     if TT > 0:
-        base = last // TT * TT
-        c = base // SEL
-        zero, prev, cur = _group_shared(bidx, b, h, base, OFF, T, N, H, SEL, TT, NP)
-        keep = keep & ~(((blk == 0) & zero) | ((blk == c - 1) & prev) | ((blk == c) & cur))
-        done = tl.where(cur, base, done)
+        keep = blk >= 0
+        done = tl.where(tl.max((blk == -2).to(tl.int32), axis=0) > 0, last // TT * TT, -1)
+    else:
+        repeat = tl.sum(((blk[:, None] == blk[None, :]) & (slots[None, :] < slots[:, None]))
+                        .to(tl.int32), axis=1) > 0
+        keep = (blk >= 0) & ~repeat
+        done = tl.full([], -1, tl.int64)
     if NP <= 64:
         kept = tl.sum(tl.where(keep, tl.full([NP], 1, tl.int64) << slots.to(tl.int64), 0), axis=0)
     else:
@@ -360,8 +420,8 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
     (cu_q, cu_k, OFF, NSEQ: see _token_blocks). With TMA, kd and vd are TMA descriptors of k and
     v (`_tma_tiles`); without, they go unread. TT > 0 (TMA, fixed length): the shared pass
     (`_shared_fwd_kernel`, groups of TT queries) left its normalised output and lse in o [B, T,
-    HQ, Dv] and lse [B, T, HQ]; the walk leaves out the blocks it covered and merges them last.
-    TT == 0: o, so_* and lse go unread.
+    HQ, Dv] and lse [B, T, HQ] and the blocks left to the walk in bidx (`_rest_rows`); the walk
+    merges the pass's output last. TT == 0: o, so_* and lse go unread.
 
     Returns the normalised output [GP, DVP] (fp32), lse [GP] (natural log, -inf for rows that saw
     nothing), the query-head indices and their mask. Shared by the eager forward kernel and the
@@ -434,19 +494,20 @@ def _fwd_kernel(q, k, v, kd, vd, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
 
 
 @triton.jit
-def _shared_fwd_kernel(q, k, v, o, lse, bidx, OFF, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+def _shared_fwd_kernel(q, k, v, o, lse, bidx, rest, OFF, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
                        sv_b, sv_t, sv_h, so_b, so_t, so_h, T, N, qk_scale,
                        H: tl.constexpr, G: tl.constexpr, GPD: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                        SEL: tl.constexpr, BN: tl.constexpr, TT: tl.constexpr,
                        NP: tl.constexpr, PREC: tl.constexpr):
     """The shared pass of the forward (fixed length). NSA forces block 0 and the two local blocks
-    on every query, so the per-token walk would read them once per query: here one program per
-    (group of TT queries at consecutive key positions, batch * KV head) attends them with the
-    group's TT x G query rows as one tile, reading their K/V once per group. A group attends the
-    blocks all its queries selected (`_group_shared`), keys up to its first query's, which all
-    of them see. Writes the normalised o and lse (-inf: nothing attended), which the walk
-    (TT > 0) merges."""
+    on every query, and trained models' neighbouring queries select mostly the same blocks, so
+    the per-token walk would read them once per query: here one program per (group of TT
+    queries at consecutive key positions, batch * KV head) attends the blocks all the group's
+    queries selected (`_shared_by_group`) with its TT x G query rows as one tile, reading their
+    K/V once per group, keys up to its first query's, which all of them see. Writes the
+    normalised o and lse (-inf: nothing attended), which the walk (TT > 0) merges, and in rest
+    the blocks left to the walk (`_rest_rows`)."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -458,22 +519,22 @@ def _shared_fwd_kernel(q, k, v, o, lse, bidx, OFF, sq_b, sq_t, sq_h, sk_b, sk_t,
     rmask = (toks >= 0) & (toks < T) & (g < G)
     heads = h * G + g
     qt = _load_tile(q, b * sq_b + toks * sq_t + heads * sq_h, rmask, DK, DKP)
-    zero, prev, cur = _group_shared(bidx, b, h, base, OFF, T, N, H, SEL, TT, NP)
-    c = base // SEL
+
+    rows, real = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
+    listed, count = _shared_list(rows, real, base // SEL)
+    _rest_rows(rest, rows, real, listed, count, base - OFF + tl.arange(0, TT), b, h, T, N, H,
+               base // SEL)
+    slots = tl.arange(0, NP)
 
     m = tl.full([TT * GPD], -1e30, tl.float32)
     l = tl.zeros([TT * GPD], tl.float32)
     acc = tl.zeros([TT * GPD, DVP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
-    # (block 0, block c - 1, block c) x key tiles; masked loads: keys past the group's first
-    # query never reach a sum, not even non-finite ones
-    for it in range(3 * NSUB):
-        j = it // NSUB
-        blk = tl.where(j == 0, 0, tl.where(j == 1, c - 1, c))
-        on = tl.where(j == 0, zero, tl.where(j == 1, prev, cur))
+    # masked loads: keys past the group's first query never reach a sum, not even non-finite ones
+    for it in range(count * NSUB):
         offs = (it % NSUB) * BN + tl.arange(0, BN)
-        keys = blk * SEL + offs
-        kmask = tl.where(on, (keys <= base) & (offs < SEL), False)
+        keys = tl.sum(tl.where(slots == it // NSUB, listed, 0), axis=0) * SEL + offs
+        kmask = (keys <= base) & (offs < SEL)
         kt, vt = _kv_tiles(k, v, b, keys, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
         m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
@@ -815,13 +876,14 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
         shared_constants = dict(constants, BN=_key_tile(sel_block, 64), GPD=pow2(HQ // H))
         del shared_constants["GP"]
         num_warps, num_stages = _SHARED_PICK
+        rest = torch.empty_like(bidx)
         launch(_shared_fwd_kernel)[(num_groups, B * H)](
-            q, k, v, o, lse, bidx, off, *strides, T, n, qk_scale, TT=group, **shared_constants,
+            q, k, v, o, lse, bidx, rest, off, *strides, T, n, qk_scale, TT=group, **shared_constants,
             num_warps=num_warps, num_stages=num_stages)
     kv = tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
         else (k, v)
     launch(_fwd_kernel)[(T, B * H)](
-        q, k, v, *kv, o, lse, bidx, *queries.kernel_args(bidx), *strides, T, n, qk_scale,
+        q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides, T, n, qk_scale,
         IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
         **_per_token_launch("fwd_tma" if tma else "fwd"))
     return o, lse

@@ -184,30 +184,46 @@ def test_selection_kernels_tma(B, T, H, G, Dk, Dv, sel_block, n, dtype, selectio
 
 
 # The forward's shared pass (fixed length, TMA): groups of queries attend the blocks they all
-# picked among block 0 and the two local ones as one tile first. (B, Tk, Tq, H, G, Dk, Dv, l',
-# n, dtype, drop): block_idx as NSA selects it over the Tk keys, the last Tq rows (queries at an
-# offset), a fraction `drop` of rows losing one forced block (groups that do not all share it),
-# slots shuffled. G = 4 / 2 / 16 / 1 make groups of 16 / 32 / 4 / 16 queries.
+# picked as one tile first. (B, Tk, Tq, H, G, Dk, Dv, l', n, dtype, run, drop): block_idx over the
+# Tk keys, the last Tq rows (queries at an offset); run = 0: as NSA selects it (the groups share
+# the forced blocks), run > 0: random scores shared by runs of `run` queries (neighbouring queries
+# select alike, as in trained models; runs of 3 and 6 straddle the groups), then a fraction `drop`
+# of the rows' blocks (run = 0: of their forced blocks) dropped, so that groups share some blocks
+# and not others, and slots shuffled. G = 4 / 2 / 16 / 1 make groups of 16 / 32 / 4 / 16 queries.
 SHARED_CASES = [
-    (1, 97, 97, 1, 4, 32, 16, 16, 4, torch.float32, 0.0),
-    (2, 90, 61, 2, 2, 16, 16, 32, 3, torch.float16, 0.3),
-    (1, 80, 80, 1, 16, 16, 16, 16, 3, torch.float32, 0.1),
-    (1, 70, 33, 1, 1, 16, 8, 16, 3, torch.float32, 0.2),
+    (1, 97, 97, 1, 4, 32, 16, 16, 4, torch.float32, 0, 0.0),
+    (2, 90, 61, 2, 2, 16, 16, 32, 3, torch.float16, 0, 0.3),
+    (1, 80, 80, 1, 16, 16, 16, 16, 3, torch.float32, 0, 0.1),
+    (1, 70, 33, 1, 1, 16, 8, 16, 3, torch.float32, 0, 0.2),
+    (1, 160, 160, 2, 16, 16, 16, 16, 5, torch.float32, 8, 0.0),
+    (1, 150, 117, 1, 16, 32, 16, 16, 6, torch.float16, 6, 0.05),
+    (2, 140, 140, 1, 4, 16, 16, 16, 4, torch.float32, 3, 0.02),
 ]
 
 
-@pytest.mark.parametrize("B,Tk,Tq,H,G,Dk,Dv,sel_block,n,dtype,drop", SHARED_CASES)
-def test_selection_shared_pass(B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, drop,
+def shared_case_block_idx(q, k, Tq, sel_block, n, run, drop):
+    B, Tk, H = k.shape[:3]
+    pos = torch.arange(Tk - Tq, Tk)
+    gen = torch.Generator().manual_seed(8)
+    if run:
+        score = torch.rand(B, -(-Tk // run), H, -(-Tk // sel_block), generator=gen)
+        block_idx = ref.topn_blocks(score.repeat_interleave(run, 1)[:, :Tk], torch.arange(Tk),
+                                    sel_block, n)[:, Tk - Tq:]
+        victim = torch.rand(block_idx.shape, generator=gen) < drop
+    else:
+        block_idx = spec_block_idx(q, k, sel_block, n, q.shape[-1] ** -0.5)[:, Tk - Tq:]
+        blk_pos = pos[None, :, None, None] // sel_block
+        forced = (block_idx == 0) | (block_idx == blk_pos) | (block_idx == blk_pos - 1)
+        victim = forced & (torch.rand(block_idx.shape, generator=gen) < drop / 3)
+    return as_set(torch.where(victim, -1, block_idx))
+
+
+@pytest.mark.parametrize("B,Tk,Tq,H,G,Dk,Dv,sel_block,n,dtype,run,drop", SHARED_CASES)
+def test_selection_shared_pass(B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run, drop,
                                poisoned_empty):
     q, k, v = make_qkv(B, Tk, H, G, Dk, Dv, dtype, seed=7)
-    block_idx = spec_block_idx(q, k, sel_block, n, Dk ** -0.5)
-    q, block_idx = q[:, Tk - Tq:], block_idx[:, Tk - Tq:]
-    gen = torch.Generator().manual_seed(8)
-    pos = torch.arange(Tk - Tq, Tk)[None, :, None, None]
-    forced = (block_idx == 0) | (block_idx == pos // sel_block) | \
-        (block_idx == pos // sel_block - 1)
-    victim = forced & (torch.rand(block_idx.shape, generator=gen) < drop / 3)
-    block_idx = as_set(torch.where(victim, -1, block_idx))
+    block_idx = shared_case_block_idx(q, k, Tq, sel_block, n, run, drop)
+    q = q[:, Tk - Tq:]
     scale = Dk ** -0.5
     o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, tma=True, shared=True)
     o_ref, lse_ref = ref.selection_attention(q.double(), k.double(), v.double(), block_idx,
