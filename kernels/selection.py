@@ -19,6 +19,10 @@ more). H100, bf16, spec geometry, T = 64k: forced blocks alone shared, 16.69 -> 
 runs of 64 tokens selecting alike 13.29-13.60 -> 8.17-8.30, the same with 5% / 20% of their
 blocks replaced at random 13.33-13.53 -> 9.40-9.54 / 13.61-13.63 -> 11.72-11.79.
 
+dq does the same where a group of queries shares at least SHARED_DQ_MIN blocks before its own
+(`_dq_plan_kernel`, `_shared_dq_kernel`): H100, 64k, whole selection backward, runs of 64 tokens
+selecting alike 31.67-35.26 -> 24.56-26.74 ms, random selections 33.51-33.61 -> 33.02-34.37.
+
 dk/dv are key-centric: each K/V block must sum over every query that selected it, and block 0 and
 the local blocks are selected by (nearly) every query. Atomics from the per-token programs would add
 n * l' * (Dk + Dv) values per (token, KV head) with heavy contention on block 0, so instead an
@@ -165,7 +169,9 @@ def _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H: tl.constexp
     """Writes the walk's rows (`_token_blocks` with TT > 0) for the group's queries toks [TT]
     into rest (shaped like block_idx): each query's distinct blocks less the shared ones
     (listed[:count]), first, then -2 where the shared pass attended block c (the queries' own,
-    which the walk then finishes after the pass's keys), else -1. The shared pass's programs
+    which the walk then finishes after the pass's keys), -3 where it attended others, -1 where
+    it attended none (count 0; a row of N distinct blocks has no room for a mark, and then no
+    block was shared, since a shared block leaves every row). The shared pass's programs
     work them out 4 warps at a time for TT queries, rather than every per-token program for its
     group again."""
     slots = tl.arange(0, rows.shape[1])
@@ -173,7 +179,8 @@ def _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H: tl.constexp
     keep = _distinct(rows) & (tl.max(listed_now.to(tl.int32), axis=2) == 0)
     front, kept = _compact(rows, keep)
     own = tl.max(((listed == c) & (slots < count)).to(tl.int32), axis=0) > 0
-    front = tl.where(slots[None, :] < kept[:, None], front, tl.where(own, -2, -1))
+    front = tl.where(slots[None, :] < kept[:, None], front,
+                     tl.where(own, -2, tl.where(count > 0, -3, -1)))
     tl.store(rest + (((b * T + toks) * H + h) * N)[:, None] + slots[None, :], front,
              mask=real[:, None] & (slots[None, :] < N))
 
@@ -388,8 +395,9 @@ def _shared_group(G: int, bn: int) -> int:
     return min(bn, max(1, SHARED_ROWS // pow2(G)))
 
 
-def _shared_reason(tma: bool, varlen: bool, G: int, bn: int) -> Optional[str]:
-    """Why the forward runs without the shared pass (None: it can run it)."""
+def _shared_reason(varlen: bool, G: int, bn: int, tma: bool = True) -> Optional[str]:
+    """Why a kernel runs without its shared pass (None: it can run it). tma: whether the forward's
+    per-token walk reads K/V through TMA descriptors (its pointer walk has no edge step)."""
     if not tma:
         return "the per-token walk reads K/V without TMA descriptors"
     if varlen:
@@ -399,13 +407,34 @@ def _shared_reason(tma: bool, varlen: bool, G: int, bn: int) -> Optional[str]:
     return None
 
 
-def _shared_pass(shared: Optional[bool], tma: bool, varlen: bool, G: int, bn: int) -> int:
-    """Queries per group of the forward's shared pass, 0 without it. None: wherever it can run
+def _shared_pass(shared: Optional[bool], reason: Optional[str], G: int, bn: int) -> int:
+    """Queries per group of a shared pass, 0 without it. None: wherever it can run
     (`_shared_reason`); True forces it (ValueError where it cannot), False leaves it out."""
-    reason = _shared_reason(tma, varlen, G, bn)
     if shared and reason is not None:
         raise ValueError(f"shared=True: {reason}")
     return _shared_group(G, bn) if shared is not False and reason is None else 0
+
+
+# dq's shared pass (`_shared_dq_kernel`) takes a group's shared blocks only where there are at
+# least SHARED_DQ_MIN of them (`_dq_plan_kernel`; at least 1), and the (num_warps, num_stages)
+# it launches with, _SHARED_DQ_PROGRAMS of them per SM. Random selections share 2 blocks before
+# their own (0 and the previous one), so they leave the pass idle. H100, bf16, spec geometry,
+# whole selection backward at 64k, SHARED_DQ_MIN 3 / 4 / 8 / never: runs of 64 tokens selecting
+# alike 24.85 / 24.82 / 25.42 / 32.49 ms, with 5% of their blocks replaced 26.70 / 28.06 /
+# 27.02 / 34.06, 20% 31.14 / 30.76 / 32.22 / 33.98, random 33.02 / 33.02 / 33.06 / 33.07;
+# (num_warps, num_stages) (4, 1) / (4, 3) 26.23 / 26.01 against 24.56-26.74 at (4, 2), (8, 2)
+# 36.3; programs per SM 1 / 3 / 4: 27.89 / 26.92 / 24.84.
+SHARED_DQ_MIN = 4
+_SHARED_DQ_PICK = (4, 2)
+_SHARED_DQ_PROGRAMS = 2
+
+
+def _persistent_programs(device: torch.device) -> int:
+    """Programs of the persistent dq pass: _SHARED_DQ_PROGRAMS per SM (4 under the CPU
+    interpreter, which runs them one after another)."""
+    if device.type != "cuda":
+        return 4
+    return _SHARED_DQ_PROGRAMS * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -547,6 +576,83 @@ def _shared_fwd_kernel(q, k, v, o, lse, bidx, rest, OFF, sq_b, sq_t, sq_h, sk_b,
 
 
 @triton.jit
+def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, OFF, T, N,
+                    H: tl.constexpr, SEL: tl.constexpr, TT: tl.constexpr, NP: tl.constexpr,
+                    MIN_SHARED: tl.constexpr):
+    """Which groups of TT queries dq's shared pass (`_shared_dq_kernel`) takes: one program per
+    (group, batch * KV head) lists the blocks before the group's own that all its queries
+    selected; where there are at least MIN_SHARED of them, appends the group (group * B * H +
+    batch * H + KV head) to plan and its blocks to plan_blocks [*, NP] (-1 past them), at an index
+    taken from the counter plan_len. Writes the walk's rows into rest either way (`_rest_rows`).
+    Below MIN_SHARED the walk does it all: dq over the 3 forced blocks alone costs a pass more
+    than it saves the walk. The pass takes the groups in whatever order they were appended; each
+    group's dq comes from one program alone, so the order changes no bit."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    base = (OFF // TT + tl.program_id(0).to(tl.int64)) * TT
+    rows, real = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
+    # the group's own block stays with the walk, which masks its keys per query anyway
+    listed, count = _shared_list(rows, real, base // SEL - 1)
+    count = tl.where(count >= MIN_SHARED, count, 0)
+    _rest_rows(rest, rows, real, listed, count, base - OFF + tl.arange(0, TT), b, h, T, N, H,
+               base // SEL)
+    if count > 0:
+        at = tl.atomic_add(plan_len, 1)
+        tl.store(plan + at, tl.program_id(0).to(tl.int64) * tl.num_programs(1) + bh)
+        slots = tl.arange(0, NP)
+        tl.store(plan_blocks + at * NP + slots, tl.where(slots < count, listed, -1))
+
+
+@triton.jit
+def _shared_dq_kernel(q, k, v, o, do, lse, dlse, dq, plan, plan_blocks, plan_len, OFF, NBH,
+                      sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+                      sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, T, scale, qk_scale,
+                      H: tl.constexpr, G: tl.constexpr, GPD: tl.constexpr, DK: tl.constexpr,
+                      DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+                      SEL: tl.constexpr, BN: tl.constexpr, TT: tl.constexpr, NP: tl.constexpr,
+                      HAS_DLSE: tl.constexpr, PREC: tl.constexpr):
+    """The forward's shared pass (`_shared_fwd_kernel`) for dq: for each group of TT queries
+    `_dq_plan_kernel` planned, the dq of its TT x G rows as one tile over the blocks all of them
+    selected, scaled, in dq's dtype, into dq, for the walk (`_dq_kernel`, TT > 0) to add to.
+    Persistent: the programs stride over the plan, whose length only the GPU knows, so that a
+    plan with few groups (random selections) costs no launch of one program per group."""
+    scale = tl.cast(scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    r = tl.arange(0, TT * GPD)
+    g = r % GPD
+    slots = tl.arange(0, NP)
+    NSUB: tl.constexpr = (SEL + BN - 1) // BN
+    for i in range(tl.program_id(0), tl.load(plan_len), tl.num_programs(0)):
+        at = tl.load(plan + i)
+        b = (at % NBH) // H
+        h = at % NBH % H
+        base = (OFF // TT + at // NBH) * TT
+        listed = tl.load(plan_blocks + i * NP + slots)
+        toks = base - OFF + r // GPD
+        rmask = (toks >= 0) & (toks < T) & (g < G)
+        heads = h * G + g
+        qt = _load_tile(q, b * sq_b + toks * sq_t + heads * sq_h, rmask, DK, DKP)
+        dot_ = _load_tile(do, b * sdo_b + toks * sdo_t + heads * sdo_h, rmask, DV, DVP)
+        ot = _load_tile(o, b * so_b + toks * so_t + heads * so_h, rmask, DV, DVP)
+        stat = (b * T + toks) * (H * G) + heads
+        dlt = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=1)
+        if HAS_DLSE:
+            dlt -= tl.load(dlse + stat, mask=rmask, other=0.0)
+        lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
+        acc = tl.zeros([TT * GPD, DKP], tl.float32)
+        # blocks before the group's own: every key is visible to every query of the group
+        for it in range(tl.sum((listed >= 0).to(tl.int32), axis=0) * NSUB):
+            offs = (it % NSUB) * BN + tl.arange(0, BN)
+            keys = tl.sum(tl.where(slots == it // NSUB, listed, 0), axis=0) * SEL + offs
+            kmask = offs < SEL
+            kt, vt = _kv_tiles(k, v, b, keys, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+                               DK, DV, DKP, DVP)
+            acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)
+        _store_tile(dq, b * sdq_b + toks * sdq_t + heads * sdq_h, rmask, acc * scale, DK, DKP)
+
+
+@triton.jit
 def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_q, cu_k, OFF,
                NSEQ, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h,
@@ -554,9 +660,12 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
-               HAS_DLSE: tl.constexpr, ADDS: tl.constexpr, PREC: tl.constexpr):
+               HAS_DLSE: tl.constexpr, ADDS: tl.constexpr, TT: tl.constexpr,
+               PREC: tl.constexpr):
     """dq of one (token, group), plus the first ADDS of dq_add0, dq_add1 (gradients laid out
-    like dq); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass."""
+    like dq); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass. TT > 0 (fixed
+    length): the dq pass over groups of TT queries (`_shared_dq_kernel`) ran, bidx holds its
+    `_rest_rows`, and dq its share where it took any blocks (marked -3 in the row)."""
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -578,7 +687,7 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
     tl.store(delta + stat, dlt, mask=gmask)
     lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
     row, kept, first_slot, n_walk, start, last, _ = _token_blocks(
-        bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, 0)
+        bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, TT)
 
     acc = tl.zeros([GP, DKP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
@@ -589,6 +698,11 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
         acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)
     rows = b * sdq_b + t * sdq_t + heads * sdq_h
     acc *= scale
+    if TT > 0:
+        slots = tl.arange(0, NP)
+        passed = tl.max((tl.load(row + slots, mask=slots < N, other=-1) < -1).to(tl.int32),
+                        axis=0) > 0
+        acc += _load_tile(dq, rows, tl.where(passed, gmask, False), DK, DKP).to(tl.float32)
     if ADDS > 0:
         acc += _load_tile(dq_add0, rows, gmask, DK, DKP).to(tl.float32)
     if ADDS > 1:
@@ -867,7 +981,8 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype)
     tma = _tma_loads(tma, k, v, sel_block, constants["BN"])
-    group = _shared_pass(shared, tma, queries.varlen, HQ // H, constants["BN"])
+    group = _shared_pass(shared, _shared_reason(queries.varlen, HQ // H, constants["BN"], tma),
+                         HQ // H, constants["BN"])
     qk_scale = scale * math.log2(math.e)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
     if group:
@@ -903,11 +1018,14 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                             dlse: Optional[Tensor], block_idx: Tensor, sel_block: int,
                             scale: float, cu_seqlens: Optional[Tensor] = None, *,
                             cu_seqlens_k: Optional[Tensor] = None,
-                            dq_add: Sequence[Tensor] = ()
+                            dq_add: Sequence[Tensor] = (),
+                            shared: Optional[bool] = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None. dq_add: up
     to two gradients shaped like q that dq comes back summed with (the layer's other branches'
-    dq), added in fp32 in the dq kernel's epilogue and rounded once: no pass of their own."""
+    dq), added in fp32 in the dq kernel's epilogue: no pass of their own. shared: run dq's
+    shared pass first (`_shared_dq_kernel`; None: where `_shared_reason` allows), which hands
+    the walk its share of dq rounded to dq's dtype."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -935,15 +1053,35 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     prec = dot_precision(q.dtype)
     # dq's layout, so that the kernel reads them at dq's offsets
     adds = [x.contiguous() for x in dq_add]
+    bn = _key_tile_size("dq", sel_block, dkp, dvp)
+    group = _shared_pass(shared, _shared_reason(queries.varlen, G, bn), G, bn)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
+               *_strides(dq))
+    constants = dict(H=H, G=G, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, NP=pow2(n),
+                     HAS_DLSE=dlse is not None, PREC=prec)
+    qk_scale = scale * math.log2(math.e)
+    rows = bidx
+    if group:
+        off = Tk - T
+        num_groups = (T - 1 + off) // group - off // group + 1
+        rows = torch.empty_like(bidx)
+        plan = torch.empty(num_groups * B * H, dtype=torch.int64, device=q.device)
+        plan_blocks = torch.empty(num_groups * B * H, pow2(n), dtype=torch.int32,
+                                  device=q.device)
+        plan_len = torch.zeros(1, dtype=torch.int32, device=q.device)
+        launch(_dq_plan_kernel)[(num_groups, B * H)](
+            bidx, rows, plan, plan_blocks, plan_len, off, T, n, H=H, SEL=sel_block, TT=group,
+            NP=pow2(n), MIN_SHARED=SHARED_DQ_MIN, num_warps=1)
+        num_warps, num_stages = _SHARED_DQ_PICK
+        launch(_shared_dq_kernel)[(min(plan.numel(), _persistent_programs(q.device)),)](
+            q, k, v, o, do, lse, dlse if dlse is not None else lse, dq, plan, plan_blocks,
+            plan_len, off, B * H, *strides, T, scale, qk_scale, GPD=pow2(G), TT=group,
+            **constants, num_warps=num_warps, num_stages=num_stages)
     launch(_dq_kernel)[(T, B * H)](
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq,
-        *(adds + [dq] * (2 - len(adds))), bidx,
-        *queries.kernel_args(bidx),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
-        T, n, scale, scale * math.log2(math.e),
-        H=H, G=G, GP=pow2(G, 16), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block,
-        BN=_key_tile_size("dq", sel_block, dkp, dvp), NP=pow2(n), IS_VARLEN=queries.varlen,
-        HAS_DLSE=dlse is not None, ADDS=len(adds), PREC=prec, **_per_token_launch("dq"))
+        *(adds + [dq] * (2 - len(adds))), rows, *queries.kernel_args(bidx), *strides,
+        T, n, scale, qk_scale, GP=pow2(G, 16), IS_VARLEN=queries.varlen, ADDS=len(adds),
+        TT=group, **constants, **_per_token_launch("dq"))
 
     gp2 = pow2(G)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)

@@ -220,16 +220,28 @@ def shared_case_block_idx(q, k, Tq, sel_block, n, run, drop):
 
 @pytest.mark.parametrize("B,Tk,Tq,H,G,Dk,Dv,sel_block,n,dtype,run,drop", SHARED_CASES)
 def test_selection_shared_pass(B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run, drop,
-                               poisoned_empty):
+                               monkeypatch, poisoned_empty):
+    """The forward's pass and dq's (`_shared_dq_kernel`), the latter taking groups that share
+    2 blocks or more here, so that some groups leave it all to the walk and others do not."""
+    monkeypatch.setattr(sel_kernels, "SHARED_DQ_MIN", 2)
     q, k, v = make_qkv(B, Tk, H, G, Dk, Dv, dtype, seed=7)
     block_idx = shared_case_block_idx(q, k, Tq, sel_block, n, run, drop)
     q = q[:, Tk - Tq:]
     scale = Dk ** -0.5
+    gen = torch.Generator().manual_seed(9)
+    do = torch.randn(q.shape[:3] + (Dv,), generator=gen).to(dtype)
+    dlse = torch.randn(q.shape[:3], generator=gen)
     o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, tma=True, shared=True)
-    o_ref, lse_ref = ref.selection_attention(q.double(), k.double(), v.double(), block_idx,
-                                             sel_block, scale)
+    grads = selection_attention_bwd(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
+                                    shared=True)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    o_ref, lse_ref = ref.selection_attention(q64, k64, v64, block_idx, sel_block, scale)
+    grads_ref = ref.selection_attention_backward(q64, k64, v64, o_ref, lse_ref, do.double(),
+                                                 dlse.double(), block_idx, sel_block, scale)
     assert_close("o", o, o_ref, dtype)
     assert_lse(lse, lse_ref, dtype)
+    for name, grad, expected in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(name, grad, expected, dtype)
 
 
 def test_selection_shared_pass_refuses():
@@ -240,6 +252,10 @@ def test_selection_shared_pass_refuses():
     cu_seqlens = torch.tensor([0, 15, 40], dtype=torch.int32)
     with pytest.raises(ValueError, match="shared=True: packed sequences"):
         selection_attention_fwd(q, k, v, block_idx, 16, 0.25, cu_seqlens, tma=True, shared=True)
+    o, lse = selection_attention_fwd(q, k, v, block_idx, 16, 0.25, cu_seqlens)
+    with pytest.raises(ValueError, match="shared=True: packed sequences"):
+        selection_attention_bwd(q, k, v, o, lse, o, None, block_idx, 16, 0.25, cu_seqlens,
+                                shared=True)
 
 
 @pytest.mark.parametrize("tma,shared", [(False, False), (True, False), (True, True)])
