@@ -605,7 +605,8 @@ def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, OFF, T, N,
 
 
 @triton.jit
-def _shared_dq_kernel(q, k, v, o, do, lse, dlse, dq, plan, plan_blocks, plan_len, OFF, NBH,
+def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, plan, plan_blocks, plan_len, OFF,
+                      NBH,
                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                       sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, T, scale, qk_scale,
                       H: tl.constexpr, G: tl.constexpr, GPD: tl.constexpr, DK: tl.constexpr,
@@ -614,7 +615,8 @@ def _shared_dq_kernel(q, k, v, o, do, lse, dlse, dq, plan, plan_blocks, plan_len
                       HAS_DLSE: tl.constexpr, PREC: tl.constexpr):
     """The forward's shared pass (`_shared_fwd_kernel`) for dq: for each group of TT queries
     `_dq_plan_kernel` planned, the dq of its TT x G rows as one tile over the blocks all of them
-    selected, scaled, in dq's dtype, into dq, for the walk (`_dq_kernel`, TT > 0) to add to.
+    selected, scaled, in dq's dtype, into dq, for the walk (`_dq_kernel`, TT > 0) to add to, and
+    their delta = rowsum(dO * O) - dlse, which the walk then need not work out again.
     Persistent: the programs stride over the plan, whose length only the GPU knows, so that a
     plan with few groups (random selections) costs no launch of one program per group."""
     scale = tl.cast(scale, tl.float32)
@@ -639,6 +641,7 @@ def _shared_dq_kernel(q, k, v, o, do, lse, dlse, dq, plan, plan_blocks, plan_len
         dlt = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=1)
         if HAS_DLSE:
             dlt -= tl.load(dlse + stat, mask=rmask, other=0.0)
+        tl.store(delta + stat, dlt, mask=rmask)
         lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
         acc = tl.zeros([TT * GPD, DKP], tl.float32)
         # blocks before the group's own: every key is visible to every query of the group
@@ -679,15 +682,23 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
     heads = h * G + g
     qt = _load_tile(q, b * sq_b + t * sq_t + heads * sq_h, gmask, DK, DKP)
     dot_ = _load_tile(do, b * sdo_b + t * sdo_t + heads * sdo_h, gmask, DV, DVP)
-    ot = _load_tile(o, b * so_b + t * so_t + heads * so_h, gmask, DV, DVP)
-    stat = (b * T + t) * (H * G) + heads
-    dlt = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        dlt -= tl.load(dlse + stat, mask=gmask, other=0.0)
-    tl.store(delta + stat, dlt, mask=gmask)
-    lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
     row, kept, first_slot, n_walk, start, last, _ = _token_blocks(
         bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, TT)
+    if TT > 0:  # whether the dq pass took any of the query's blocks (and wrote its delta)
+        slots = tl.arange(0, NP)
+        passed = tl.max((tl.load(row + slots, mask=slots < N, other=-1) < -1).to(tl.int32),
+                        axis=0) > 0
+    else:
+        passed = tl.zeros([], tl.int1)
+    mine = tl.where(passed, False, gmask)
+    stat = (b * T + t) * (H * G) + heads
+    ot = _load_tile(o, b * so_b + t * so_t + heads * so_h, mine, DV, DVP)
+    dlt = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        dlt -= tl.load(dlse + stat, mask=mine, other=0.0)
+    dlt += tl.load(delta + stat, mask=tl.where(passed, gmask, False), other=0.0)
+    tl.store(delta + stat, dlt, mask=mine)
+    lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
 
     acc = tl.zeros([GP, DKP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
@@ -699,9 +710,6 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
     rows = b * sdq_b + t * sdq_t + heads * sdq_h
     acc *= scale
     if TT > 0:
-        slots = tl.arange(0, NP)
-        passed = tl.max((tl.load(row + slots, mask=slots < N, other=-1) < -1).to(tl.int32),
-                        axis=0) > 0
         acc += _load_tile(dq, rows, tl.where(passed, gmask, False), DK, DKP).to(tl.float32)
     if ADDS > 0:
         acc += _load_tile(dq_add0, rows, gmask, DK, DKP).to(tl.float32)
@@ -993,12 +1001,14 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
         num_warps, num_stages = _SHARED_PICK
         rest = torch.empty_like(bidx)
         launch(_shared_fwd_kernel)[(num_groups, B * H)](
-            q, k, v, o, lse, bidx, rest, off, *strides, T, n, qk_scale, TT=group, **shared_constants,
+            q, k, v, o, lse, bidx, rest, off, *strides, T, n, qk_scale, TT=group,
+            **shared_constants,
             num_warps=num_warps, num_stages=num_stages)
     kv = tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
         else (k, v)
     launch(_fwd_kernel)[(T, B * H)](
-        q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides, T, n, qk_scale,
+        q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides, T, n,
+        qk_scale,
         IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
         **_per_token_launch("fwd_tma" if tma else "fwd"))
     return o, lse
@@ -1074,7 +1084,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
             NP=pow2(n), MIN_SHARED=SHARED_DQ_MIN, num_warps=1)
         num_warps, num_stages = _SHARED_DQ_PICK
         launch(_shared_dq_kernel)[(min(plan.numel(), _persistent_programs(q.device)),)](
-            q, k, v, o, do, lse, dlse if dlse is not None else lse, dq, plan, plan_blocks,
+            q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, plan, plan_blocks,
             plan_len, off, B * H, *strides, T, scale, qk_scale, GPD=pow2(G), TT=group,
             **constants, num_warps=num_warps, num_stages=num_stages)
     launch(_dq_kernel)[(T, B * H)](
