@@ -171,9 +171,8 @@ def _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H: tl.constexp
     (listed[:count]), first, then -2 where the shared pass attended block c (the queries' own,
     which the walk then finishes after the pass's keys), -3 where it attended others, -1 where
     it attended none (count 0; a row of N distinct blocks has no room for a mark, and then no
-    block was shared, since a shared block leaves every row). The shared pass's programs
-    work them out 4 warps at a time for TT queries, rather than every per-token program for its
-    group again."""
+    block was shared, since a shared block leaves every row). One program works them out for
+    TT queries, rather than every per-token program for its group again."""
     slots = tl.arange(0, rows.shape[1])
     listed_now = (listed[None, None, :] == rows[:, :, None]) & (slots < count)[None, None, :]
     keep = _distinct(rows) & (tl.max(listed_now.to(tl.int32), axis=2) == 0)
@@ -614,8 +613,8 @@ def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, plan, plan_blocks, p
                       SEL: tl.constexpr, BN: tl.constexpr, TT: tl.constexpr, NP: tl.constexpr,
                       HAS_DLSE: tl.constexpr, PREC: tl.constexpr):
     """The forward's shared pass (`_shared_fwd_kernel`) for dq: for each group of TT queries
-    `_dq_plan_kernel` planned, the dq of its TT x G rows as one tile over the blocks all of them
-    selected, scaled, in dq's dtype, into dq, for the walk (`_dq_kernel`, TT > 0) to add to, and
+    `_dq_plan_kernel` planned, the dq of its TT x G rows as one tile over the blocks before
+    their own that all of them selected, scaled, in dq's dtype, into dq, for the walk (`_dq_kernel`, TT > 0) to add to, and
     their delta = rowsum(dO * O) - dlse, which the walk then need not work out again.
     Persistent: the programs stride over the plan, whose length only the GPU knows, so that a
     plan with few groups (random selections) costs no launch of one program per group."""
