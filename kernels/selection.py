@@ -185,6 +185,35 @@ def _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H: tl.constexp
 
 
 @triton.jit
+def _group_tile(base, OFF, T, h, G, GPD: tl.constexpr, TT: tl.constexpr):
+    """(tokens, mask, query heads) of the [TT x GPD] rows of a shared pass's tile: the TT queries
+    at key positions base .. base + TT - 1, each with the G heads of KV head h (padded to GPD)."""
+    r = tl.arange(0, TT * GPD)
+    toks = base - OFF + r // GPD
+    g = r % GPD
+    return toks, (toks >= 0) & (toks < T) & (g < G), h * G + g
+
+
+@triton.jit
+def _listed_keys(listed, it, SEL: tl.constexpr, BN: tl.constexpr):
+    """(offsets in the block, keys) of step `it` of a shared pass's walk over (its listed
+    blocks [NP], key tiles of BN)."""
+    NSUB: tl.constexpr = (SEL + BN - 1) // BN
+    offs = (it % NSUB) * BN + tl.arange(0, BN)
+    blk = tl.sum(tl.where(tl.arange(0, listed.shape[0]) == it // NSUB, listed, 0), axis=0)
+    return offs, blk * SEL + offs
+
+
+@triton.jit
+def _delta(dot_, ot, dlse, stat, mask, HAS_DLSE: tl.constexpr):
+    """delta = rowsum(dO * O) - dlse of the rows at stat, 0 outside mask."""
+    dlt = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        dlt -= tl.load(dlse + stat, mask=mask, other=0.0)
+    return dlt
+
+
+@triton.jit
 def _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H: tl.constexpr,
                   NP: tl.constexpr, IS_VARLEN: tl.constexpr, SEL: tl.constexpr,
                   TT: tl.constexpr):
@@ -428,6 +457,12 @@ _SHARED_DQ_PICK = (4, 2)
 _SHARED_DQ_PROGRAMS = 2
 
 
+def _num_groups(T: int, off: int, group: int) -> int:
+    """Groups of `group` queries at consecutive key positions that T queries sitting off keys in
+    (queries at an offset) span: a shared pass's grid."""
+    return (T - 1 + off) // group - off // group + 1
+
+
 def _persistent_programs(device: torch.device) -> int:
     """Programs of the persistent dq pass: _SHARED_DQ_PROGRAMS per SM (4 under the CPU
     interpreter, which runs them one after another)."""
@@ -541,18 +576,13 @@ def _shared_fwd_kernel(q, k, v, o, lse, bidx, rest, OFF, sq_b, sq_t, sq_h, sk_b,
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     base = (OFF // TT + tl.program_id(0).to(tl.int64)) * TT
-    r = tl.arange(0, TT * GPD)
-    toks = base - OFF + r // GPD
-    g = r % GPD
-    rmask = (toks >= 0) & (toks < T) & (g < G)
-    heads = h * G + g
+    toks, rmask, heads = _group_tile(base, OFF, T, h, G, GPD, TT)
     qt = _load_tile(q, b * sq_b + toks * sq_t + heads * sq_h, rmask, DK, DKP)
 
     rows, real = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
     listed, count = _shared_list(rows, real, base // SEL)
     _rest_rows(rest, rows, real, listed, count, base - OFF + tl.arange(0, TT), b, h, T, N, H,
                base // SEL)
-    slots = tl.arange(0, NP)
 
     m = tl.full([TT * GPD], -1e30, tl.float32)
     l = tl.zeros([TT * GPD], tl.float32)
@@ -560,8 +590,7 @@ def _shared_fwd_kernel(q, k, v, o, lse, bidx, rest, OFF, sq_b, sq_t, sq_h, sk_b,
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
     # masked loads: keys past the group's first query never reach a sum, not even non-finite ones
     for it in range(count * NSUB):
-        offs = (it % NSUB) * BN + tl.arange(0, BN)
-        keys = tl.sum(tl.where(slots == it // NSUB, listed, 0), axis=0) * SEL + offs
+        offs, keys = _listed_keys(listed, it, SEL, BN)
         kmask = (keys <= base) & (offs < SEL)
         kt, vt = _kv_tiles(k, v, b, keys, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
@@ -583,9 +612,10 @@ def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, OFF, T, N,
     selected; where there are at least MIN_SHARED of them, appends the group (group * B * H +
     batch * H + KV head) to plan and its blocks to plan_blocks [*, NP] (-1 past them), at an index
     taken from the counter plan_len. Writes the walk's rows into rest either way (`_rest_rows`).
-    Below MIN_SHARED the walk does it all: dq over the 3 forced blocks alone costs a pass more
-    than it saves the walk. The pass takes the groups in whatever order they were appended; each
-    group's dq comes from one program alone, so the order changes no bit."""
+    Below MIN_SHARED the walk does it all: dq over the forced blocks alone (0 and the one before
+    the group's own) costs a pass more than it saves the walk. The pass takes the groups in
+    whatever order they were appended; each group's dq comes from one program alone, so the
+    order changes no bit."""
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -614,39 +644,32 @@ def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, plan, plan_blocks, p
                       HAS_DLSE: tl.constexpr, PREC: tl.constexpr):
     """The forward's shared pass (`_shared_fwd_kernel`) for dq: for each group of TT queries
     `_dq_plan_kernel` planned, the dq of its TT x G rows as one tile over the blocks before
-    their own that all of them selected, scaled, in dq's dtype, into dq, for the walk (`_dq_kernel`, TT > 0) to add to, and
-    their delta = rowsum(dO * O) - dlse, which the walk then need not work out again.
+    their own that all of them selected, scaled, in dq's dtype, into dq, for the walk
+    (`_dq_kernel`, TT > 0) to add to, and their delta = rowsum(dO * O) - dlse, which the walk
+    then need not work out again.
     Persistent: the programs stride over the plan, whose length only the GPU knows, so that a
     plan with few groups (random selections) costs no launch of one program per group."""
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    r = tl.arange(0, TT * GPD)
-    g = r % GPD
-    slots = tl.arange(0, NP)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
     for i in range(tl.program_id(0), tl.load(plan_len), tl.num_programs(0)):
         at = tl.load(plan + i)
         b = (at % NBH) // H
         h = at % NBH % H
         base = (OFF // TT + at // NBH) * TT
-        listed = tl.load(plan_blocks + i * NP + slots)
-        toks = base - OFF + r // GPD
-        rmask = (toks >= 0) & (toks < T) & (g < G)
-        heads = h * G + g
+        listed = tl.load(plan_blocks + i * NP + tl.arange(0, NP))
+        toks, rmask, heads = _group_tile(base, OFF, T, h, G, GPD, TT)
         qt = _load_tile(q, b * sq_b + toks * sq_t + heads * sq_h, rmask, DK, DKP)
         dot_ = _load_tile(do, b * sdo_b + toks * sdo_t + heads * sdo_h, rmask, DV, DVP)
         ot = _load_tile(o, b * so_b + toks * so_t + heads * so_h, rmask, DV, DVP)
         stat = (b * T + toks) * (H * G) + heads
-        dlt = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=1)
-        if HAS_DLSE:
-            dlt -= tl.load(dlse + stat, mask=rmask, other=0.0)
+        dlt = _delta(dot_, ot, dlse, stat, rmask, HAS_DLSE)
         tl.store(delta + stat, dlt, mask=rmask)
         lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
         acc = tl.zeros([TT * GPD, DKP], tl.float32)
         # blocks before the group's own: every key is visible to every query of the group
         for it in range(tl.sum((listed >= 0).to(tl.int32), axis=0) * NSUB):
-            offs = (it % NSUB) * BN + tl.arange(0, BN)
-            keys = tl.sum(tl.where(slots == it // NSUB, listed, 0), axis=0) * SEL + offs
+            offs, keys = _listed_keys(listed, it, SEL, BN)
             kmask = offs < SEL
             kt, vt = _kv_tiles(k, v, b, keys, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                                DK, DV, DKP, DVP)
@@ -692,9 +715,7 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
     mine = tl.where(passed, False, gmask)
     stat = (b * T + t) * (H * G) + heads
     ot = _load_tile(o, b * so_b + t * so_t + heads * so_h, mine, DV, DVP)
-    dlt = tl.sum(dot_.to(tl.float32) * ot.to(tl.float32), axis=1)
-    if HAS_DLSE:
-        dlt -= tl.load(dlse + stat, mask=mine, other=0.0)
+    dlt = _delta(dot_, ot, dlse, stat, mine, HAS_DLSE)
     dlt += tl.load(delta + stat, mask=tl.where(passed, gmask, False), other=0.0)
     tl.store(delta + stat, dlt, mask=mine)
     lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
@@ -994,21 +1015,18 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
     if group:
         off = Tk - T
-        num_groups = (T - 1 + off) // group - off // group + 1
         shared_constants = dict(constants, BN=_key_tile(sel_block, 64), GPD=pow2(HQ // H))
         del shared_constants["GP"]
         num_warps, num_stages = _SHARED_PICK
         rest = torch.empty_like(bidx)
-        launch(_shared_fwd_kernel)[(num_groups, B * H)](
+        launch(_shared_fwd_kernel)[(_num_groups(T, off, group), B * H)](
             q, k, v, o, lse, bidx, rest, off, *strides, T, n, qk_scale, TT=group,
-            **shared_constants,
-            num_warps=num_warps, num_stages=num_stages)
+            **shared_constants, num_warps=num_warps, num_stages=num_stages)
     kv = tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
         else (k, v)
     launch(_fwd_kernel)[(T, B * H)](
-        q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides, T, n,
-        qk_scale,
-        IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
+        q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides,
+        T, n, qk_scale, IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
         **_per_token_launch("fwd_tma" if tma else "fwd"))
     return o, lse
 
@@ -1072,7 +1090,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     rows = bidx
     if group:
         off = Tk - T
-        num_groups = (T - 1 + off) // group - off // group + 1
+        num_groups = _num_groups(T, off, group)
         rows = torch.empty_like(bidx)
         plan = torch.empty(num_groups * B * H, dtype=torch.int64, device=q.device)
         plan_blocks = torch.empty(num_groups * B * H, pow2(n), dtype=torch.int32,
