@@ -986,22 +986,43 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
 # Public API
 # --------------------------------------------------------------------------------------------
 
+def _outputs(out: Optional[tuple[Tensor, Tensor]], o_shape: tuple, q: Tensor
+             ) -> tuple[Tensor, Tensor]:
+    """The forward's (o, lse): out checked against what the kernels write (o with a unit last
+    stride, lse dense, which they index as rows of HQ), or new tensors."""
+    if out is None:
+        return (torch.empty(o_shape, dtype=q.dtype, device=q.device),
+                torch.empty(o_shape[:3], dtype=torch.float32, device=q.device))
+    o, lse = out
+    if o.shape != o_shape or o.dtype != q.dtype or o.device != q.device or o.stride(-1) != 1:
+        raise ValueError(f"out[0] (o) must be {o_shape} {q.dtype} on {q.device} with a unit last "
+                         f"stride, got {tuple(o.shape)} {o.dtype} on {o.device}, strides "
+                         f"{o.stride()}")
+    if lse.shape != o_shape[:3] or lse.dtype != torch.float32 or lse.device != q.device or \
+            not lse.is_contiguous():
+        raise ValueError(f"out[1] (lse) must be a contiguous {o_shape[:3]} float32 tensor on "
+                         f"{q.device}, got {tuple(lse.shape)} {lse.dtype} on {lse.device}, "
+                         f"strides {lse.stride()}")
+    return o, lse
+
+
 def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
                             scale: float, cu_seqlens: Optional[Tensor] = None, *,
                             cu_seqlens_k: Optional[Tensor] = None,
                             tma: Optional[bool] = None,
-                            shared: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+                            shared: Optional[bool] = None,
+                            out: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
     """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32; rows that see nothing: o = 0, lse = -inf.
     k/v may be longer than q: queries sit at the end of their keys (cu_seqlens_k for varlen).
     tma: read K/V through TMA descriptors (None: where `_tma_loads` allows; the CPU tests force
     it under the Triton interpreter). shared: run the shared pass first (`_shared_fwd_kernel`;
-    None: where `_shared_pass` allows)."""
+    None: where `_shared_pass` allows). out: (o, lse) buffers to write and return instead of new
+    ones (Inductor's, when the compiled forward picks this kernel)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     n = block_idx.shape[3]
-    o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    o, lse = _outputs(out, (B, T, HQ, Dv), q)
     if o.numel() == 0:
         return o, lse.fill_(float("-inf"))
     q, k, v = (unit_last_stride(x) for x in (q, k, v))

@@ -7,7 +7,15 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
+
+
+def traced() -> bool:
+    """Whether a torch dispatch mode is active, i.e. the launch is being traced (AOTInductor's
+    export of the ops, nsa_ops.ops). torch's is_in_torch_dispatch_mode() flag is no test of it:
+    it stays set while Inductor's autotuner runs real launches with its modes popped, which
+    would then time another kernel than the compiled code runs."""
+    return torch._C._len_torch_dispatch_stack() > 0 or _len_torch_dispatch_stack_pre_dispatch() > 0
 
 
 def pow2(x: int, lo: int = 1) -> int:
@@ -43,9 +51,8 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 
 def tma_engine(x: Tensor) -> bool:
     """Whether an eager launch on x's device can read tiles through TMA descriptors: Hopper's
-    copy engine, on sm90+ GPUs. A launch traced for AOTInductor (inside a torch dispatch mode)
-    keeps pointer loads: torch.library.wrap_triton takes no descriptors."""
-    return x.device.type == "cuda" and not is_in_torch_dispatch_mode() \
+    copy engine, on sm90+ GPUs. A launch traced for AOTInductor (`traced`) keeps pointer loads: torch.library.wrap_triton takes no descriptors."""
+    return x.device.type == "cuda" and not traced() \
         and device_capability(x.device)[0] >= 9
 
 
@@ -86,7 +93,7 @@ def launch(kernel):
     """`kernel`, or its torch.library.wrap_triton form while a torch dispatch mode traces the op
     (AOTInductor decomposes the ops into their kernels, nsa_ops.ops): the launch then becomes a
     graph node Inductor compiles into the package. Eager launches skip the wrapper's dispatch."""
-    return torch.library.wrap_triton(kernel) if is_in_torch_dispatch_mode() else kernel
+    return torch.library.wrap_triton(kernel) if traced() else kernel
 
 
 def launch_options(num_warps: int, num_stages: int, maxnreg: int | None = None) -> dict:
@@ -95,6 +102,6 @@ def launch_options(num_warps: int, num_stages: int, maxnreg: int | None = None) 
     num_ctas, so a launch traced for AOTInductor goes without the cap: the same results, at the
     uncapped kernel's speed."""
     options = dict(num_warps=num_warps, num_stages=num_stages)
-    if maxnreg is not None and not is_in_torch_dispatch_mode():
+    if maxnreg is not None and not traced():
         options["maxnreg"] = maxnreg
     return options

@@ -9,6 +9,10 @@ needs only `register_lowering` and `fallback_handler`; the template machinery is
 the first graph is lowered (`selection.inductor_api`), when every torch module is loaded. If it is
 missing, the lowering warns once and emits Inductor's generic custom-op fallback (an opaque call
 of the op, which still routes by nsa_ops.routing at run time).
+
+The extern kernels the selection lowering offers its autotuner are named in the code Inductor
+writes (`extern_kernels.<name>`), which the FX graph cache runs again in later processes without
+lowering anything: they are registered as soon as `torch._inductor.select_algorithm` is imported.
 """
 from __future__ import annotations
 
@@ -16,19 +20,24 @@ import importlib.abc
 import importlib.util
 import sys
 
-from .selection import register, registered, unregister
+from .selection import register, register_extern_kernels_at_import, registered, unregister
 
 __all__ = ["install", "register", "registered", "unregister"]
 
-_INDUCTOR_LOWERING = "torch._inductor.lowering"
+# Inductor module -> what runs right after it is first imported
+_AFTER_IMPORT = {"torch._inductor.lowering": register,
+                 "torch._inductor.select_algorithm": register_extern_kernels_at_import}
 
 
-class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the real loader of torch._inductor.lowering so `register`
-    runs right after that module executes."""
+class _RunAfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the real loader of one module so `then` runs right after that
+    module executes."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
 
     def find_spec(self, name, path, target=None):
-        if name != _INDUCTOR_LOWERING:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -36,15 +45,16 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_then_register(module):
+        def exec_then_run(module):
             exec_module(module)
-            register()
-        spec.loader.exec_module = exec_then_register
+            self.then()
+        spec.loader.exec_module = exec_then_run
         return spec
 
 
 def install() -> None:
-    if _INDUCTOR_LOWERING in sys.modules:
-        register()
-    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterAfterImport())
+    for name, then in _AFTER_IMPORT.items():
+        if name in sys.modules:
+            then()
+        elif not any(isinstance(f, _RunAfterImport) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _RunAfterImport(name, then))

@@ -2,8 +2,10 @@
 
 On CUDA, the routing table (nsa_ops.routing) decides which family serves the input:
 
-* "triton": the choices are the template below in several launch configs plus packed SDPA as an
-  ExternKernelChoice, and Inductor's autotuner times them and keeps the fastest;
+* "triton": the choices are the template below in several launch configs, the eager Triton
+  forward (TMA loads and the shared pass of queries that select alike, which the template lacks)
+  and packed SDPA, both as ExternKernelChoices, and Inductor's autotuner times them and keeps the
+  fastest;
 * "packed_sdpa": packed SDPA alone (an SM the kernel is not tuned for, or a short sequence);
 * anything else (CPU, float64, old GPUs): Inductor's generic fallback, an opaque call of the op,
   which routes again at run time.
@@ -106,9 +108,8 @@ def inductor_api() -> Optional[SimpleNamespace]:
 def _build_api() -> SimpleNamespace:
     from torch._inductor import ir
     from torch._inductor.lowering import empty_strided
-    from torch._inductor.select_algorithm import (ExternKernelChoice, SymbolicGridFn,
-                                                  TritonTemplate, TritonTemplateKernel,
-                                                  autotune_select_algorithm)
+    from torch._inductor.select_algorithm import (SymbolicGridFn, TritonTemplate,
+                                                  TritonTemplateKernel, autotune_select_algorithm)
     from torch._inductor.virtualized import V
 
     for name in ("FixedLayout", "MutationOutput", "NoneLayout", "ExternKernel", "StorageBox"):
@@ -127,15 +128,44 @@ def _build_api() -> SimpleNamespace:
             "CU_INPUTS", cu_inputs).replace("KEYS", keys)
         return TritonTemplate.all_templates.get(name) or TritonTemplate(name=name, grid=grid,
                                                                        source=source)
-    packed = ExternKernelChoice.lookup("nsa_selection_packed_sdpa") if hasattr(
-        ExternKernelChoice, "lookup") else None
-    packed = packed or ExternKernelChoice(_packed_sdpa_out, name="nsa_selection_packed_sdpa",
-                                          has_out_variant=True)
     return SimpleNamespace(ir=ir, V=V, empty_strided=empty_strided,
                            templates={variant: template(variant) for variant in _KEYS},
-                           packed=packed, autotune=autotune_select_algorithm,
+                           **register_extern_kernels(), autotune=autotune_select_algorithm,
                            autotune_params=inspect.signature(autotune_select_algorithm)
                            .parameters)
+
+
+_extern_kernels: Optional[dict] = None
+
+
+def register_extern_kernels() -> dict:
+    """The extern choices, created once ({"packed": ..., "kernel": ...}): creating one registers
+    its function as `extern_kernels.<name>` for the code Inductor writes (see nsa_ops.lowering)."""
+    global _extern_kernels
+    if _extern_kernels is None:
+        from torch._inductor.select_algorithm import ExternKernelChoice
+        _extern_kernels = {
+            key: ExternKernelChoice(fn, name=name, has_out_variant=True)
+            for key, (name, fn) in {"packed": ("nsa_selection_packed_sdpa", _packed_sdpa_out),
+                                    "kernel": ("nsa_selection_kernel", _kernel_out)}.items()}
+    return _extern_kernels
+
+
+def register_extern_kernels_at_import() -> None:
+    """`register_extern_kernels` for the import hook, which must not break Inductor's import: a
+    torch without this API is warned about by `inductor_api` when a graph is lowered."""
+    try:
+        register_extern_kernels()
+    except (ImportError, AttributeError, TypeError):
+        pass
+
+
+def _kernel_out(q, k, v, block_idx, lse, *, sel_block, scale, out):
+    """The extern choice of the eager Triton forward (TMA loads, the shared pass of groups of
+    queries that select alike, which the template lacks) writing into Inductor's buffers."""
+    from nsa_ops.kernels.selection import selection_attention_fwd
+    selection_attention_fwd(q, k, v, block_idx, sel_block, scale, out=(out, lse))
+    return out
 
 
 def _packed_sdpa_out(q, k, v, block_idx, lse, *, sel_block, scale, out):
@@ -239,11 +269,14 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
                 choices, input_nodes=inputs, layout=layout, mutated_inputs=[lse],
                 call_sizes=[B, T, HQ, Dk], num_stages=num_stages, num_warps=num_warps,
                 NSLOTS=n, QK_SCALE=scale * _LOG2E, IS_VARLEN=bool(cus), **constants)
-    # the extern choice calls packed SDPA at one fixed length; packed batches reach it through
-    # the opaque op, which routes at run time. An AOTInductor package has no Python to call it.
-    if not cus and not V.aot_compilation and routing.route(_OP, "packed_sdpa").refuse(x) is None:
-        api.packed.maybe_append_choice(choices, input_nodes=inputs, layout=layout,
-                                       sel_block=sel_block, scale=scale)
+    # the extern choices take one fixed length (queries at an offset included); packed batches
+    # reach packed SDPA through the opaque op, which routes at run time. An AOTInductor package
+    # has no Python to call them.
+    externs = [] if cus or V.aot_compilation else [api.kernel] * (impl == "triton") + [
+        api.packed] * (routing.route(_OP, "packed_sdpa").refuse(x) is None)
+    for extern in externs:
+        extern.maybe_append_choice(choices, input_nodes=inputs, layout=layout,
+                                   sel_block=sel_block, scale=scale)
     if not choices:
         return fallback()
 

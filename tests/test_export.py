@@ -106,6 +106,28 @@ def test_gpu_exported_module_equals_eager():
             assert _rel(ep.module()(x), module(x)) < 1e-5, (B, T)
 
 
+def test_launches_traced_only_under_an_active_mode():
+    """Kernel launches become graph nodes (wrap_triton, no TMA, no register cap) only while a
+    dispatch mode traces them. Inductor's autotuner pops its modes to time real launches, and
+    torch's is_in_torch_dispatch_mode() flag stays set there: the launches must be the eager
+    ones, or the autotuner times another kernel than the compiled code runs."""
+    from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
+                                              is_in_torch_dispatch_mode)
+    from nsa_ops.kernels import utils
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    capped = dict(num_warps=4, num_stages=2, maxnreg=128)
+    assert not utils.traced() and utils.launch_options(4, 2, 128) == capped
+    with PassThrough():
+        assert utils.traced() and "maxnreg" not in utils.launch_options(4, 2, 128)
+        with _disable_current_modes():
+            assert is_in_torch_dispatch_mode()
+            assert not utils.traced() and utils.launch_options(4, 2, 128) == capped
+
+
 # Runs in a fresh interpreter that never imports nsa_ops: the package must hold every NSA kernel.
 _RUN_PACKAGE = """
 import sys, torch

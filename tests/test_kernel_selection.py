@@ -258,6 +258,27 @@ def test_selection_shared_pass_refuses():
                                 shared=True)
 
 
+@pytest.mark.parametrize("tma,shared", [(False, False), (True, True)])
+def test_selection_fwd_writes_given_buffers(tma, shared):
+    """out=(o, lse) (the compiled forward hands Inductor's buffers): every element written, o
+    through its own strides (a head slice here), bitwise what the kernel returns unasked; buffers
+    that do not fit are refused by name."""
+    q, k, v = make_qkv(1, 70, 1, 4, 16, 16, torch.float32, seed=3)
+    block_idx = shared_case_block_idx(q, k, 70, 16, 3, 6, 0.1)
+    o_wide = torch.full((1, 70, 6, 16), float("nan"))
+    o, lse = o_wide[:, :, 1:5], torch.full((1, 70, 4), float("nan"))
+    got = selection_attention_fwd(q, k, v, block_idx, 16, 0.25, tma=tma, shared=shared,
+                                  out=(o, lse))
+    assert got[0] is o and got[1] is lse
+    expected = selection_attention_fwd(q, k, v, block_idx, 16, 0.25, tma=tma, shared=shared)
+    assert torch.equal(o, expected[0]) and torch.equal(lse, expected[1])
+    assert o_wide[:, :, [0, 5]].isnan().all()
+    with pytest.raises(ValueError, match=r"out\[0\] \(o\) must be"):
+        selection_attention_fwd(q, k, v, block_idx, 16, 0.25, out=(o.half(), lse))
+    with pytest.raises(ValueError, match=r"out\[1\] \(lse\) must be a contiguous"):
+        selection_attention_fwd(q, k, v, block_idx, 16, 0.25, out=(o, lse.mT.contiguous().mT))
+
+
 @pytest.mark.parametrize("tma,shared", [(False, False), (True, False), (True, True)])
 def test_selection_future_keys_unread(tma, shared, poisoned_empty):
     """Keys a query may not see never reach its sums, even non-finite ones: NaN keys and values

@@ -47,16 +47,23 @@ def test_lowering_registered_with_inductor():
     assert fn.__name__ == "lower_selection_attention"  # wrapped by register_lowering
 
 
-@pytest.mark.parametrize("first", ["nsa_ops", "inductor"])
+EXTERN_KERNELS = ("nsa_selection_kernel", "nsa_selection_packed_sdpa")
+
+
+@pytest.mark.parametrize("first", ["nsa_ops", "inductor", "select_algorithm"])
 def test_registered_whichever_is_imported_first(first):
     """import nsa_ops leaves Inductor unloaded (seconds of import time), yet the lowering is in
-    place as soon as Inductor loads, before or after nsa_ops."""
+    place as soon as Inductor loads, before or after nsa_ops. So are the extern kernels the
+    autotuner may pick, which code from the FX graph cache calls without lowering anything."""
     imports = {"nsa_ops": "import nsa_ops\nassert 'torch._inductor.lowering' not in sys.modules",
-               "inductor": "import torch._inductor.lowering"}
-    second = "inductor" if first == "nsa_ops" else "nsa_ops"
+               "inductor": "import torch._inductor.lowering",
+               "select_algorithm": "import torch._inductor.select_algorithm"}
+    second = "nsa_ops" if first != "nsa_ops" else "inductor"
     code = "\n".join(["import sys, torch", imports[first], imports[second].split("\n")[0],
                       "from torch._inductor.lowering import lowerings",
-                      "assert torch.ops.nsa.selection_attention.default in lowerings"])
+                      "from torch._inductor.select_algorithm import extern_kernels",
+                      "assert torch.ops.nsa.selection_attention.default in lowerings",
+                      f"assert all(hasattr(extern_kernels, n) for n in {EXTERN_KERNELS})"])
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -120,10 +127,25 @@ def _triton_kernels(code: str) -> dict[str, str]:
                            flags=re.M | re.S))
 
 
+class _Withheld:
+    """Stands in for an extern choice the test keeps from the autotuner."""
+
+    def maybe_append_choice(self, choices, **kwargs):
+        pass
+
+
+def only_templates(monkeypatch):
+    """The template's launch configs as the autotuner's only choices."""
+    api = sel_lowering.inductor_api()
+    for extern in ("kernel", "packed"):
+        monkeypatch.setattr(api, extern, _Withheld())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_template_in_generated_code(dtype, monkeypatch):
     monkeypatch.setenv("NSA_OPS_FORCE_IMPL_SELECTION_ATTENTION", "triton")
+    only_templates(monkeypatch)
     torch._dynamo.reset()
     args = make_inputs(2048, dtype=dtype, device="cuda", B=2, HQ=16, H=4, D=64)
     out, (code,) = run_and_get_code(torch.compile(gated_selection, fullgraph=True), *args)
@@ -146,6 +168,44 @@ def test_gpu_packed_sdpa_route_is_an_extern_kernel(monkeypatch):
     out, (code,) = run_and_get_code(torch.compile(gated_selection, fullgraph=True), *args)
     torch.testing.assert_close(out.float(), gated_selection(*args).float(), atol=5e-2, rtol=5e-2)
     assert "nsa_selection_packed_sdpa" in code and FALLBACK_CALL not in code
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [False, True])
+def test_gpu_eager_kernel_is_an_extern_choice(offset, monkeypatch):
+    """Where routing picks Triton the eager kernel is offered beside the template (here the only
+    choice left): it writes Inductor's o and lse, fixed length and queries at an offset, dynamic
+    lengths in one graph, the gradient through the op's backward."""
+    monkeypatch.setenv("NSA_OPS_FORCE_IMPL_SELECTION_ATTENTION", "triton")
+    monkeypatch.setattr(sel_lowering.inductor_api(), "packed", _Withheld())
+    from nsa_ops.kernels import selection as sel_kernels
+    monkeypatch.setattr(sel_kernels, "PER_TOKEN_CONFIGS", [])
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+
+    def fn(q, k, v, idx, g):
+        o, lse = torch.ops.nsa.selection_attention(q, k, v, idx, GEO["sel_block"],
+                                                   q.shape[-1] ** -0.5)
+        return o * g[..., None], lse
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for T in (2048, 2600):
+        q, k, v, idx, g = make_inputs(T, dtype=torch.bfloat16, device="cuda", HQ=16, H=4, D=64,
+                                      seed=T)[:5]
+        rows = slice(T - 700, T) if offset else slice(None)  # the last 700 queries
+        args = [q[:, rows].detach().requires_grad_(), k, v, idx[:, rows], g[:, rows]]
+        if counter.frame_count == 0:
+            (out, lse), codes = run_and_get_code(compiled, *args)  # forward, backward
+            assert "extern_kernels.nsa_selection_kernel(" in codes[0]
+            assert FALLBACK_CALL not in codes[0]
+        else:
+            out, lse = compiled(*args)
+        ref_out, ref_lse = fn(*args)
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+        dq, = torch.autograd.grad(out.float().square().sum(), args[0])
+        ref_dq, = torch.autograd.grad(ref_out.float().square().sum(), args[0])
+        assert ((dq.float() - ref_dq.float()).norm() / ref_dq.float().norm()) < 2e-2
+    assert counter.frame_count == 1
 
 
 @pytest.mark.gpu
@@ -181,6 +241,7 @@ def test_gpu_template_serves_packed_sequences_and_offsets(layout, monkeypatch):
     """The template (not the opaque op) serves packed sequences and queries at an offset, one
     graph across packings under dynamic shapes, equal to eager."""
     monkeypatch.setenv("NSA_OPS_FORCE_IMPL_SELECTION_ATTENTION", "triton")
+    only_templates(monkeypatch)
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
     fn = _packed_selection if layout != "offset" else (
