@@ -51,7 +51,8 @@ def device_capability(device: torch.device) -> tuple[int, int]:
 
 def tma_engine(x: Tensor) -> bool:
     """Whether an eager launch on x's device can read tiles through TMA descriptors: Hopper's
-    copy engine, on sm90+ GPUs. A launch traced for AOTInductor (`traced`) keeps pointer loads: torch.library.wrap_triton takes no descriptors."""
+    copy engine, on sm90+ GPUs. A launch traced for AOTInductor (`traced`) keeps pointer loads:
+    torch.library.wrap_triton takes no descriptors."""
     return x.device.type == "cuda" and not traced() \
         and device_capability(x.device)[0] >= 9
 

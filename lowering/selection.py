@@ -144,8 +144,10 @@ def register_extern_kernels() -> dict:
     global _extern_kernels
     if _extern_kernels is None:
         from torch._inductor.select_algorithm import ExternKernelChoice
+        # a reloaded nsa_ops finds its choices registered already (a second one of a name fails)
+        found = getattr(ExternKernelChoice, "lookup", lambda name: None)
         _extern_kernels = {
-            key: ExternKernelChoice(fn, name=name, has_out_variant=True)
+            key: found(name) or ExternKernelChoice(fn, name=name, has_out_variant=True)
             for key, (name, fn) in {"packed": ("nsa_selection_packed_sdpa", _packed_sdpa_out),
                                     "kernel": ("nsa_selection_kernel", _kernel_out)}.items()}
     return _extern_kernels
