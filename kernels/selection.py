@@ -107,15 +107,15 @@ def _query_keys(cu_q, cu_k, NSEQ, t):
 @triton.jit
 def _group_rows(bidx, b, h, base, OFF, T, N, H: tl.constexpr, TT: tl.constexpr,
                 NP: tl.constexpr):
-    """(rows, real): the block_idx rows [TT, NP] of the group of TT queries at key positions
-    base .. base + TT - 1 (fixed length), -1 past slot N and for the group's queries outside
-    [0, T), which real [TT] marks."""
+    """(rows, real, toks): the block_idx rows [TT, NP] of the group of TT queries toks at key
+    positions base .. base + TT - 1 (fixed length), -1 past slot N and for the group's queries
+    outside [0, T), which real [TT] marks."""
     toks = base - OFF + tl.arange(0, TT)
     real = (toks >= 0) & (toks < T)
     slots = tl.arange(0, NP)
     rows = tl.load(bidx + (((b * T + toks) * H + h) * N)[:, None] + slots[None, :],
                    mask=real[:, None] & (slots[None, :] < N), other=-1)
-    return rows, real
+    return rows, real, toks
 
 
 @triton.jit
@@ -241,9 +241,7 @@ def _token_blocks(bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H: tl.constexpr,
         keep = blk >= 0
         done = tl.where(tl.max((blk == -2).to(tl.int32), axis=0) > 0, last // TT * TT, -1)
     else:
-        repeat = tl.sum(((blk[:, None] == blk[None, :]) & (slots[None, :] < slots[:, None]))
-                        .to(tl.int32), axis=1) > 0
-        keep = (blk >= 0) & ~repeat
+        keep = tl.reshape(_distinct(blk[None, :]), blk.shape)
         done = tl.full([], -1, tl.int64)
     if NP <= 64:
         kept = tl.sum(tl.where(keep, tl.full([NP], 1, tl.int64) << slots.to(tl.int64), 0), axis=0)
@@ -579,10 +577,9 @@ def _shared_fwd_kernel(q, k, v, o, lse, bidx, rest, OFF, sq_b, sq_t, sq_h, sk_b,
     toks, rmask, heads = _group_tile(base, OFF, T, h, G, GPD, TT)
     qt = _load_tile(q, b * sq_b + toks * sq_t + heads * sq_h, rmask, DK, DKP)
 
-    rows, real = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
+    rows, real, group_toks = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
     listed, count = _shared_list(rows, real, base // SEL)
-    _rest_rows(rest, rows, real, listed, count, base - OFF + tl.arange(0, TT), b, h, T, N, H,
-               base // SEL)
+    _rest_rows(rest, rows, real, listed, count, group_toks, b, h, T, N, H, base // SEL)
 
     m = tl.full([TT * GPD], -1e30, tl.float32)
     l = tl.zeros([TT * GPD], tl.float32)
@@ -620,12 +617,11 @@ def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, OFF, T, N,
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     base = (OFF // TT + tl.program_id(0).to(tl.int64)) * TT
-    rows, real = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
+    rows, real, toks = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
     # the group's own block stays with the walk, which masks its keys per query anyway
     listed, count = _shared_list(rows, real, base // SEL - 1)
     count = tl.where(count >= MIN_SHARED, count, 0)
-    _rest_rows(rest, rows, real, listed, count, base - OFF + tl.arange(0, TT), b, h, T, N, H,
-               base // SEL)
+    _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H, base // SEL)
     if count > 0:
         at = tl.atomic_add(plan_len, 1)
         tl.store(plan + at, tl.program_id(0).to(tl.int64) * tl.num_programs(1) + bh)
@@ -1142,7 +1138,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     launch(_dkdv_kernel)[(grid[0] * grid[1],) if ordered_adds else grid](
         q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        T, Tk, scale, scale * math.log2(math.e),
+        T, Tk, scale, qk_scale,
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
         PREC=prec, ORDERED=ordered_adds, num_warps=warps, num_stages=stages)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
