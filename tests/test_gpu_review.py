@@ -43,6 +43,7 @@ def big_inputs():
     return q, _head_major(q), k, v
 
 
+@pytest.mark.gpu_memory
 def test_selection_head_major_past_int32(big_inputs):
     q, q_hm, k, v = big_inputs
     idx = _forced_blocks(1, BIG_T, BIG_H, 16, 64, "cuda")
@@ -59,6 +60,7 @@ def test_selection_head_major_past_int32(big_inputs):
         assert rel_err(theirs, ours) < 1e-3
 
 
+@pytest.mark.gpu_memory
 def test_compressed_head_major_past_int32(big_inputs):
     q, q_hm, k, v = big_inputs
     k_cmp, v_cmp = R.compress_mean(k, 32, 16), R.compress_mean(v, 32, 16)
@@ -73,6 +75,7 @@ def test_compressed_head_major_past_int32(big_inputs):
     assert dq_hm.is_contiguous() and torch.equal(dq, dq_hm)
 
 
+@pytest.mark.gpu_memory
 def test_window_triton_head_major_past_int32(big_inputs):
     q, q_hm, k, v = big_inputs
     o, lse = window.sliding_window_fwd(q, k, v, 512, BIG_D ** -0.5, backend="triton")

@@ -277,6 +277,7 @@ def _rel_err(got, want):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 def test_gpu_ops_past_int32_elements():
     """q, o and dq of T = 266240 tokens x 64 heads x 128 hold 2.18e9 elements, past 2**31: each
     op's CUDA route at that length (offsets must be int64), forward and gradients, against the
