@@ -387,6 +387,13 @@ def _offset_shares(o, L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr):
             tl.maximum(o * STRIDE + L - SEL, 0).to(tl.float32) / L)
 
 
+# The widest key tile `_score_tile` scores as one dot: a [128 rows x 128 keys] fp32 tile fits the
+# 128 registers a thread that select_blocks' multi-load tiles cap at (_SELECT_TILES); 32 blocks
+# of l' = 8d would take one wgmma whose accumulator alone needs 128 (ptxas refused them:
+# "Insufficient registers"), so wider steps score their strided tiles one dot each.
+_WIDE_KEYS = tl.constexpr(128)
+
+
 @triton.jit
 def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
                 L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, DK: tl.constexpr,
@@ -412,7 +419,7 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
     R: tl.constexpr = SEL // STRIDE
     HEAD: tl.constexpr = 0 if L <= SEL else L // STRIDE - 1
     # per query row first: the sum over the group's heads is a layout change, done once per tile
-    if HEAD == 0 and R > 1 and R & (R - 1) == 0:
+    if HEAD == 0 and R > 1 and R & (R - 1) == 0 and R * SB <= _WIDE_KEYS:
         # the R strided key tiles as one [R * SB] tile, offset-major (row o * SB + c holds block
         # j[c] * R + o): one wide dot, and the sums over o stay inside each thread's registers.
         # H100, bf16, spec geometry (R = 4), 64k: 8.48 -> 7.89 ms, the same indices; at R = 1

@@ -7,8 +7,13 @@ too when present. Reference values are computed in float64 from the same (possib
 inputs. The @pytest.mark.gpu cases use realistic shapes in fp16/bf16 and
 compare relative errors against a float32 reference.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import triton.language as tl
 
 from nsa_ops import reference as ref
 from nsa_ops.kernels import compressed as kc
@@ -243,6 +248,18 @@ def test_select_blocks_merges_several_tiles(monkeypatch, merge):
     check_selection(q, k, lse, l, d, sel, 5, None, exact=True, tol=1e-5)
 
 
+@pytest.mark.parametrize("l,d,sel", [(16, 8, 16), (32, 16, 64), (16, 8, 64)],
+                         ids=["R2", "R4", "R8"])
+def test_select_blocks_strided_tiles_one_dot_each(monkeypatch, l, d, sel):
+    """Steps wider than `_WIDE_KEYS` (l' = 8d at 32 blocks on a GPU) score their l'/d strided key
+    tiles one dot each instead of as one wide dot; here every step does, at l'/d = 2, 4 and 8."""
+    monkeypatch.setattr(kc, "_WIDE_KEYS", tl.constexpr(0))
+    # 1000 tokens: up to 16 blocks of l' = 64 per query, of which n = 6 are chosen
+    q, k, v = make_inputs(1, 1000, 1, 2, 16, 16, l, d, torch.float32, seed=8)
+    lse = ref.compressed_attention(q, k, v, l, d, q.shape[-1] ** -0.5, None)[1]
+    check_selection(q, k, lse, l, d, sel, 6, None, exact=True, tol=1e-5)
+
+
 # the ordered adds do not depend on the layout: fixed length only (the CPU suite's time budget)
 @pytest.mark.parametrize("cu_list,nsplit,ordered", [
     (None, 1, False), (None, 3, False), (None, 3, True),
@@ -324,3 +341,64 @@ def test_gpu_varlen(H, G, Dk, Dv, dtype):
     cu = torch.tensor(GPU_VARLEN_CU, dtype=torch.int32, device="cuda")
     q, k, v = make_inputs(1, GPU_VARLEN_CU[-1], H, G, Dk, Dv, 32, 16, dtype, cu, device="cuda")
     check_gpu(q, k, v, cu, dtype)
+
+
+# Compiles select_blocks' launches for sm_90 through ptxas without a GPU: a subprocess without
+# TRITON_INTERPRET, where `launch` hands each kernel and its arguments to triton.compile.
+_SM90_COMPILE = r"""
+import sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nsa_ops.kernels import compressed
+
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+         torch.int32: "i32", torch.int64: "i64"}
+
+
+class CompileForSm90:  # stands in for launch(kernel)[grid]: compiles instead of running
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return self.compile
+
+    def compile(self, *args, num_warps, num_stages, maxnreg=None, **constexprs):
+        sig = {}
+        for name, arg in zip(self.kernel.arg_names, args):
+            if isinstance(arg, torch.Tensor):
+                sig[name] = "*" + TYPES[arg.dtype]
+            elif arg is None:
+                sig[name], constexprs[name] = "constexpr", None
+            else:
+                sig[name] = "fp32" if isinstance(arg, float) else "i32"
+        sig.update((name, "constexpr") for name in constexprs)
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
+        triton.compile(ASTSource(self.kernel, sig, constexprs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
+        print("compiled", self.kernel.__name__, options)
+
+
+compressed.launch = CompileForSm90
+l, d, sel, n, T, HQ, H, D = map(int, sys.argv[1:])
+q = torch.randn(1, T, HQ, D, dtype=torch.bfloat16)
+k_cmp = torch.randn(1, (T - l) // d + 1, H, D, dtype=torch.bfloat16)
+lse = torch.randn(1, T, HQ)
+compressed.select_blocks(q, k_cmp, lse, l, d, sel, n, D ** -0.5)
+"""
+
+
+def test_select_blocks_compiles_for_sm90_at_wide_steps():
+    """l' = 8d at 32 blocks a step: scored as one [128 x 256]-key dot, the kernel took one wgmma
+    whose accumulator alone needs the 128 registers its launch caps a thread at, and ptxas
+    refused it on the H100 (the GPU sweep's draw 20, l=64 d=32 l'=256); the interpreter runs any
+    tile, so only ptxas shows it. T = 4096 gives the long-sequence tile of 32 blocks a step."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE, "16", "8", "64", "16", "4096",
+                          "16", "1", "128"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "compiled _select_kernel" in run.stdout and "'maxnreg': 128" in run.stdout, run.stdout
