@@ -722,10 +722,15 @@ def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_
     """(TOK, G_PAD, SB, MERGE, launch options): >= 16 dot rows; SB no wider than the nblk
     blocks need (short sequences), but >= the padded n (the tile's top-n) and >= 16 (tl.dot).
     nblk None (a symbolic length): the table's SB and MERGE, which serve every length."""
-    rows, sb, merge, num_warps, num_stages, maxnreg = _SELECT_TILES[tier][loads_per_step > 1]
+    rows, table_sb, merge, num_warps, num_stages, maxnreg = \
+        _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
     g_pad = max(g_pad, 16 // tok)
-    sb = max(sb if nblk is None else min(sb, pow2(nblk)), pow2(num_sel), 16)
+    sb = max(table_sb if nblk is None else min(table_sb, pow2(nblk)), pow2(num_sel), 16)
+    # a top-n wider than the table's SB merges as many scores at a time as the table does: at
+    # n = 64 with one query head per KV head (128 tokens a program), merging 8 x 64 scores kept
+    # Triton compiling for over 6 minutes (CPU machine, sm_90 target), 4 x 64 for 62 s
+    merge = min(merge, max(1, merge * table_sb // sb))
     # a merge every step where the sequence has fewer steps than one merge would gather
     merge = merge if nblk is None or triton.cdiv(nblk, sb) >= merge else 1
     return tok, g_pad, sb, merge, launch_options(num_warps, num_stages, maxnreg)

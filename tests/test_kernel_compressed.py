@@ -343,6 +343,20 @@ def test_gpu_varlen(H, G, Dk, Dv, dtype):
     check_gpu(q, k, v, cu, dtype)
 
 
+@pytest.mark.parametrize("num_sel", [33, 64, 128])
+def test_select_blocks_wide_top_n_merges_the_tables_width(num_sel):
+    """A top-n wider than the table's SB (SB = the padded n) merges no more scores at a time than
+    the table's SB x MERGE: at n = 64 with G = 1, 8 x 64 pending scores a row kept Triton
+    compiling for minutes."""
+    for tier in range(len(kc._SELECT_TILES)):
+        for loads in (1, 4):
+            _, table_sb, table_merge, *_ = kc._SELECT_TILES[tier][loads > 1]
+            for G in (1, 16):
+                _, _, sb, merge, _ = kc._select_cfg(G, tier, num_sel, None, loads)
+                assert sb >= num_sel and merge >= 1
+                assert sb * merge <= max(table_sb * table_merge, sb)
+
+
 # Compiles select_blocks' launches for sm_90 through ptxas without a GPU: a subprocess without
 # TRITON_INTERPRET, where `launch` hands each kernel and its arguments to triton.compile.
 _SM90_COMPILE = r"""
