@@ -274,8 +274,12 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
     # the extern choices take one fixed length (queries at an offset included); packed batches
     # reach packed SDPA through the opaque op, which routes at run time. An AOTInductor package
     # has no Python to call them.
-    externs = [] if cus or V.aot_compilation else [api.kernel] * (impl == "triton") + [
-        api.packed] * (routing.route(_OP, "packed_sdpa").refuse(x) is None)
+    externs = []
+    if not cus and not V.aot_compilation:
+        if impl == "triton":
+            externs.append(api.kernel)
+        if routing.route(_OP, "packed_sdpa").refuse(x) is None:
+            externs.append(api.packed)
     for extern in externs:
         extern.maybe_append_choice(choices, input_nodes=inputs, layout=layout,
                                    sel_block=sel_block, scale=scale)
