@@ -726,13 +726,19 @@ def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_
         _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
     g_pad = max(g_pad, 16 // tok)
-    sb = max(table_sb if nblk is None else min(table_sb, pow2(nblk)), pow2(num_sel), 16)
-    # a top-n wider than the table's SB merges as many scores at a time as the table does: at
-    # n = 64 with one query head per KV head (128 tokens a program), merging 8 x 64 scores kept
-    # Triton compiling for over 6 minutes (CPU machine, sm_90 target), 4 x 64 for 62 s
-    merge = min(merge, max(1, merge * table_sb // sb))
+    sb = max(table_sb if nblk is None else min(table_sb, pow2(nblk)), 16)
     # a merge every step where the sequence has fewer steps than one merge would gather
     merge = merge if nblk is None or triton.cdiv(nblk, sb) >= merge else 1
+    # each merge ranks MERGE x SB pending scores, so they must hold the padded top-n. Widening
+    # the step instead (SB >= n, as before) cost n = 48 / 64 3.4x the time of n = 16 on an
+    # H100 at 64k (26.8 / 27.2 against 7.9 ms): it left the one-wide-dot form of _score_tile
+    if merge * sb < pow2(num_sel):
+        sb = pow2(num_sel) // merge
+        # such a top-n merges as many scores at a time as the table does: at n = 64 with one
+        # query head per KV head (128 tokens a program), merging 8 x 64 scores kept Triton
+        # compiling for over 6 minutes (CPU machine, sm_90 target), 4 x 64 for 62 s
+        merge = max(1, merge * table_sb // sb)
+        sb = max(sb, pow2(num_sel) // merge)
     return tok, g_pad, sb, merge, launch_options(num_warps, num_stages, maxnreg)
 
 

@@ -343,18 +343,34 @@ def test_gpu_varlen(H, G, Dk, Dv, dtype):
     check_gpu(q, k, v, cu, dtype)
 
 
-@pytest.mark.parametrize("num_sel", [33, 64, 128])
-def test_select_blocks_wide_top_n_merges_the_tables_width(num_sel):
-    """A top-n wider than the table's SB (SB = the padded n) merges no more scores at a time than
-    the table's SB x MERGE: at n = 64 with G = 1, 8 x 64 pending scores a row kept Triton
-    compiling for minutes."""
+@pytest.mark.parametrize("num_sel", [33, 64, 128, 512])
+def test_select_blocks_wide_top_n_keeps_the_tables_step(num_sel):
+    """A top-n wider than the table's SB keeps its step where the pending scores of one merge
+    hold it (SB = the padded n took n = 64 3.4x n = 16's time on an H100: no wide dot), and
+    never merges more scores at a time than the table or the top-n needs (at n = 64 with G = 1,
+    8 x 64 pending scores a row kept Triton compiling for minutes)."""
+    n_pad = 1 << (num_sel - 1).bit_length()
     for tier in range(len(kc._SELECT_TILES)):
         for loads in (1, 4):
             _, table_sb, table_merge, *_ = kc._SELECT_TILES[tier][loads > 1]
             for G in (1, 16):
-                _, _, sb, merge, _ = kc._select_cfg(G, tier, num_sel, None, loads)
-                assert sb >= num_sel and merge >= 1
-                assert sb * merge <= max(table_sb * table_merge, sb)
+                for nblk in (None, 20, 100, 4096):
+                    _, _, sb, merge, _ = kc._select_cfg(G, tier, num_sel, nblk, loads)
+                    assert merge >= 1 and sb * merge >= n_pad
+                    assert sb * merge <= max(table_sb * table_merge, n_pad)
+                    if nblk in (None, 4096) and table_sb * table_merge >= n_pad:
+                        assert sb == table_sb, (tier, loads, G, nblk)
+
+
+def test_select_blocks_top_n_wider_than_a_step(monkeypatch):
+    """n = 20 (padded 32) over steps of 16 blocks merged 2 at a time: each merge ranks exactly
+    the padded n pending scores (the GPU's n = 64 on 32-block steps, scaled down)."""
+    monkeypatch.setattr(kc, "_SELECT_TILES", (((64, 16, 2, 4, 1, None),) * 2,) * 3)
+    assert kc._select_cfg(2, 0, 20, 38, 2)[2:4] == (16, 2)
+    # 600 tokens: 38 blocks of l' = 16 for the last query, 3 steps of 16
+    q, k, v = make_inputs(1, 600, 1, 2, 16, 16, 16, 8, torch.float32, seed=9)
+    lse = ref.compressed_attention(q, k, v, 16, 8, q.shape[-1] ** -0.5, None)[1]
+    check_selection(q, k, lse, 16, 8, 16, 20, None, exact=True, tol=1e-5)
 
 
 # Compiles select_blocks' launches for sm_90 through ptxas without a GPU: a subprocess without
