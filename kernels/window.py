@@ -342,26 +342,37 @@ class Tiles(NamedTuple):
     dkdv_tma: Optional[TileConfig] = None
 
 
-# GPU tiles by the widest padded head row in bytes: (row bytes up to, Tiles). Starting points
-# for H100-class parts, except the 256-byte row (D = 128 in 16 bits), the fastest of
-# bench/tune_window.py at T=64k, w=512, G=16 (H100, bf16): forward (128, 32, 4, 3) 3.31-3.41 ms
-# against 3.46-8.07 for ten others; dK dV (64, 64, 4, 2) 7.51 ms against 8.21-71 for fourteen
-# others; dQ (128, 32, 4, 3) 4.19 ms against 4.32-10.8 for eleven others. With TMA loads (sm90+;
-# T = 16k / 64k, two runs of the sweep, pointer loads 0.83-0.84 / 3.31-3.36 ms forward): forward
-# (128, 64, 4, 2) 0.743, 0.77 / 3.151, 3.08 ms; (64, 64, 4, 3) 0.772, 0.91 / 3.179, 2.84;
-# (128, 32, 4, 4) and (128, 32, 4, 3) 0.795-0.81 / 3.10-3.24; four others 0.85-0.99 / 3.34-4.09.
-# The whole backward with the dQ kernel's TMA loads at (128, 32, 4, 3) 2.96 / 11.65 ms against
-# 3.17 / 11.96 with pointer loads (one run; five other dQ tiles 3.17-3.90 / 11.99-15.14). With
-# the dK dV kernel's Q/dO through TMA as well (one run): (64, 64, 4, 3) 2.69 / 10.89 ms against
-# 2.94 / 11.57 at (64, 64, 4, 2) and 3.02-6.81 / 11.71-27.01 for six others; both kernels with
-# pointer loads 3.02 / 11.88 at the pointer tile (64, 64, 4, 2). The two backward kernels share
-# one config where a tier was not measured.
+# GPU tiles by the widest padded head row in bytes: (row bytes up to, Tiles). Starting points for
+# H100-class parts, except the 128- and 256-byte rows and the 512-byte row's backward. The
+# 256-byte row (D = 128 in 16 bits), the fastest of bench/tune_window.py at T=64k, w=512, G=16
+# (H100, bf16): forward (128, 32, 4, 3) 3.31-3.41 ms against 3.46-8.07 for ten others; dK dV (64,
+# 64, 4, 2) 7.51 ms against 8.21-71 for fourteen others; dQ (128, 32, 4, 3) 4.19 ms against
+# 4.32-10.8 for eleven others. With TMA loads (sm90+; T = 16k / 64k, two runs of the sweep,
+# pointer loads 0.83-0.84 / 3.31-3.36 ms forward): forward (128, 64, 4, 2) 0.743, 0.77 / 3.151,
+# 3.08 ms; (64, 64, 4, 3) 0.772, 0.91 / 3.179, 2.84; (128, 32, 4, 4) and (128, 32, 4, 3)
+# 0.795-0.81 / 3.10-3.24; four others 0.85-0.99 / 3.34-4.09. The whole backward with the dQ
+# kernel's TMA loads at (128, 32, 4, 3) 2.96 / 11.65 ms against 3.17 / 11.96 with pointer loads
+# (one run; five other dQ tiles 3.17-3.90 / 11.99-15.14). With the dK dV kernel's Q/dO through TMA
+# as well (one run): (64, 64, 4, 3) 2.69 / 10.89 ms against 2.94 / 11.57 at (64, 64, 4, 2) and
+# 3.02-6.81 / 11.71-27.01 for six others; both kernels with pointer loads 3.02 / 11.88 at the
+# pointer tile (64, 64, 4, 2). The 128-byte row (D = 33-64 in 16 bits), one run at D = 64 (same
+# geometry, T = 16k / 64k; FA-2 forward 1.11 / 5.87 ms, backward 2.18 / 8.56): forward with TMA
+# (128, 64, 4, 3) 0.470 / 1.862, pointer loads (128, 32, 4, 3) 0.472 / 1.922; backward with TMA dQ
+# (128, 32, 4, 3) and dK dV (64, 64, 4, 3) 1.594 / 6.256, pointer loads at the same tiles 1.621 /
+# 6.480; the starting points before ((128, 64, 4, 3), (64, 64, 4, 2) both) 0.498 / 1.979 and 1.930
+# / 7.550; five other sets 0.47-0.72 / 1.92-2.87 forward, 1.82-2.57 / 7.11-10.07 backward. The
+# 512-byte row's backward at Dk = 192, Dv = 128 (T = 16k): dQ (128, 32, 8, 2) with dK dV (64, 64,
+# 8, 2) 6.37 ms against 10.33 for the (32, 32, 4, 1) both had and 6.48-10.07 for four other pairs;
+# its forward is not re-measured. The two backward kernels share one config where a tier was not
+# measured.
 _GPU_TILES = (
-    (128, Tiles(TileConfig(128, 64, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 2))),
+    (128, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 32, 4, 3),
+                fwd_tma=TileConfig(128, 64, 4, 3), dq_tma=TileConfig(128, 32, 4, 3),
+                dkdv_tma=TileConfig(64, 64, 4, 3))),
     (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3),
                 dkdv_tma=TileConfig(64, 64, 4, 3))),
-    (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(32, 32, 4, 1), TileConfig(32, 32, 4, 1))),
+    (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2))),
     (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
                      TileConfig(16, 32, 4, 1))),
 )

@@ -428,15 +428,17 @@ def _fa2_serves(x: Inputs) -> Optional[str]:
 
 
 def _triton_window_preferred(x: Inputs) -> Optional[str]:
-    # kernels/window.py's tuned tiles: 16-bit head rows padded to 128 values (head dims 65-128;
-    # where FA-2 serves, the inputs are 16-bit with Dk == Dv)
-    tuned = 64 < x.head_dim_qk <= 128
+    # kernels/window.py's tuned tiles: 16-bit head rows padded to 64 or 128 values (head dims
+    # 33-128; where FA-2 serves, the inputs are 16-bit with Dk == Dv)
+    tuned = 32 < x.head_dim_qk <= 128
     if not (x.sm == (9, 0) and tuned) and _fa2_serves(x) is None:
         return ("the Triton window kernels were measured faster than FA-2 on sm90 at head dims "
-                "65-128 only, which share one tile set (H100, bf16, D=128, w=512, T = 8k / 64k "
-                "/ 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward "
-                "1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels "
-                "window); FA-2 runs here (force to override)")
+                "33-128 only, with the tiles tuned there (H100, bf16, w=512; D=128 at T = 8k / "
+                "64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, "
+                "backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py "
+                "--kernels window; D=64 at T = 16k / 64k: forward 0.47 / 1.86 against 1.11 / "
+                "5.87, backward 1.59 / 6.26 against 2.18 / 8.56); FA-2 runs here (force to "
+                "override)")
     return None
 
 

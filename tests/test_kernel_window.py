@@ -272,11 +272,15 @@ def test_gpu_routing():
 
 
 @pytest.mark.gpu
-def test_gpu_triton_fp32():
-    """fp32 on the GPU must use exact (non-tf32) dots: near-fp32 agreement with the reference."""
-    q, k, v, do, dlse, cu = _gpu_inputs(GPU_CASES["H4-G4-D192x128-T2048"], torch.float32)
-    outs = _kernel(q, k, v, do, dlse, 512, 192 ** -0.5, cu, "triton")
-    refs = _reference(q, k, v, do, dlse, 512, 192 ** -0.5, cu, torch.float64)
+@pytest.mark.parametrize("case", ["H4-G4-D192x128-T2048", "H8-G16-D128-T2048"])
+def test_gpu_triton_fp32(case):
+    """fp32 on the GPU must use exact (non-tf32) dots: near-fp32 agreement with the reference.
+    D = 128 runs the 512-byte rows' tiles, Dk = 192 the widest."""
+    cfg = GPU_CASES[case]
+    q, k, v, do, dlse, cu = _gpu_inputs(cfg, torch.float32)
+    scale = cfg["Dk"] ** -0.5
+    outs = _kernel(q, k, v, do, dlse, 512, scale, cu, "triton")
+    refs = _reference(q, k, v, do, dlse, 512, scale, cu, torch.float64)
     for name, out, exp in zip(NAMES, outs, refs):
         assert _rel(out, exp) < 1e-5, (name, _rel(out, exp))
 
