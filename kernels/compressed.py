@@ -671,11 +671,16 @@ class _Cfg(NamedTuple):
 # size in bytes (_tier). Tiers 0 and 1 cover fp16/bf16 head dims <= 128 and <= 256 and compile
 # for sm_90 without register spills. fp32 (ieee dots: a correctness path, not tuned) lands a tier
 # higher; tier 2 only keeps it within shared memory. Query rows are TOK * G_PAD: TOK shrinks as
-# G grows.
+# G grows. Tier 1, H100, bf16, HQ=64, H=4, l=32, d=16, T=16k, ms at Dk=192, Dv=128 / at D=256:
+# forward (128, 32, 8, 2) 1.42 / 1.70 against 2.25 / 3.21 for the (64, 32, 8, 3) before and
+# 1.23-2.38 / 2.13-2.63 for four others ((128, 64) tiles: 1.16 at Dk=192, out of shared memory at
+# D=256); backward with dq (128, 64, 8, 1), dK dV (64, 64, 8, 2) 6.22 / 9.05 against 13.07 /
+# 16.38 for the (32, 64, 8, 3), (32, 32, 8, 3) before and 6.0-9.6 / 9.0-16.9 for eight other
+# pairs, of which dq (128, 64, 8, 2) ran out of shared memory at D=256 (Triton 3.6).
 _TILES = {
-    "fwd": ((128, 64, 8, 3), (64, 32, 8, 3), (32, 32, 8, 3)),
-    "dq": ((128, 64, 8, 3), (32, 64, 8, 3), (32, 32, 8, 3)),
-    "dkdv": ((64, 128, 8, 2), (32, 32, 8, 3), (32, 16, 8, 3)),
+    "fwd": ((128, 64, 8, 3), (128, 32, 8, 2), (32, 32, 8, 3)),
+    "dq": ((128, 64, 8, 3), (128, 64, 8, 1), (32, 32, 8, 3)),
+    "dkdv": ((64, 128, 8, 2), (64, 64, 8, 2), (32, 16, 8, 3)),
 }
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
