@@ -725,8 +725,8 @@ def _attn_cfg(kind: str, G: int, tier: int) -> _Cfg:
 def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_step: int
                 ) -> tuple[int, int, int, int, dict]:
     """(TOK, G_PAD, SB, MERGE, launch options): >= 16 dot rows; SB no wider than the nblk
-    blocks need (short sequences), but >= the padded n (the tile's top-n) and >= 16 (tl.dot).
-    nblk None (a symbolic length): the table's SB and MERGE, which serve every length."""
+    blocks need (short sequences) and >= 16 (tl.dot); MERGE x SB >= the padded n (each merge's
+    top-n). nblk None (a symbolic length): the table's SB and MERGE, which serve every length."""
     rows, table_sb, merge, num_warps, num_stages, maxnreg = \
         _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
@@ -734,16 +734,16 @@ def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_
     sb = max(table_sb if nblk is None else min(table_sb, pow2(nblk)), 16)
     # a merge every step where the sequence has fewer steps than one merge would gather
     merge = merge if nblk is None or triton.cdiv(nblk, sb) >= merge else 1
-    # each merge ranks MERGE x SB pending scores, so they must hold the padded top-n. Widening
-    # the step instead (SB >= n, as before) cost n = 48 / 64 3.4x the time of n = 16 on an
-    # H100 at 64k (26.8 / 27.2 against 7.9 ms): it left the one-wide-dot form of _score_tile
-    if merge * sb < pow2(num_sel):
-        sb = pow2(num_sel) // merge
-        # such a top-n merges as many scores at a time as the table does: at n = 64 with one
+    n_pad = pow2(num_sel)
+    # Only a top-n wider than one merge's pending scores widens the step: a step of n blocks
+    # leaves _score_tile's one wide dot, and took n = 48 / 64 3.4x the time of n = 16 on an
+    # H100 at 64k (26.8 / 27.2 against 7.9 ms; 12.5 with 32-block steps merged 8 at a time).
+    if merge * sb < n_pad:
+        # and merges no more scores at a time than the table or n needs: at n = 64 with one
         # query head per KV head (128 tokens a program), merging 8 x 64 scores kept Triton
-        # compiling for over 6 minutes (CPU machine, sm_90 target), 4 x 64 for 62 s
-        merge = max(1, merge * table_sb // sb)
-        sb = max(sb, pow2(num_sel) // merge)
+        # compiling for over 6 minutes (CPU machine, sm_90 target), 8 x 32 for 58 s
+        merge = max(1, min(merge, merge * table_sb * merge // n_pad))
+        sb = n_pad // merge
     return tok, g_pad, sb, merge, launch_options(num_warps, num_stages, maxnreg)
 
 
