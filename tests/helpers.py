@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -162,3 +166,12 @@ def index_in_layout(block_idx: torch.Tensor, layout: str, num_blocks: int,
         buf[:, 1:1 + T] = block_idx
         return buf[:, 1:1 + T]
     raise ValueError(f"unknown index layout {layout!r}")
+
+
+def compile_for_sm90(*args: object) -> subprocess.CompletedProcess:
+    """tests/sm90_compile.py with args, in a subprocess without TRITON_INTERPRET (ptxas needs
+    the compiler's path, which the interpreter skips)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("sm90_compile.py")
+    return subprocess.run([sys.executable, str(script), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=900)

@@ -7,17 +7,13 @@ too when present. Reference values are computed in float64 from the same (possib
 inputs. The @pytest.mark.gpu cases use realistic shapes in fp16/bf16 and
 compare relative errors against a float32 reference.
 """
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import triton.language as tl
 
 from nsa_ops import reference as ref
 from nsa_ops.kernels import compressed as kc
-from helpers import poisoned_empty, rel_err
+from helpers import compile_for_sm90, poisoned_empty, rel_err
 
 # per dtype: |kernel - reference| <= ATOL * (1 + |reference|)
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2}
@@ -373,62 +369,11 @@ def test_select_blocks_top_n_wider_than_a_step(monkeypatch):
     check_selection(q, k, lse, 16, 8, 16, 20, None, exact=True, tol=1e-5)
 
 
-# Compiles select_blocks' launches for sm_90 through ptxas without a GPU: a subprocess without
-# TRITON_INTERPRET, where `launch` hands each kernel and its arguments to triton.compile.
-_SM90_COMPILE = r"""
-import sys
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from nsa_ops.kernels import compressed
-
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-         torch.int32: "i32", torch.int64: "i64"}
-
-
-class CompileForSm90:  # stands in for launch(kernel)[grid]: compiles instead of running
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        return self.compile
-
-    def compile(self, *args, num_warps, num_stages, maxnreg=None, **constexprs):
-        sig = {}
-        for name, arg in zip(self.kernel.arg_names, args):
-            if isinstance(arg, torch.Tensor):
-                sig[name] = "*" + TYPES[arg.dtype]
-            elif arg is None:
-                sig[name], constexprs[name] = "constexpr", None
-            else:
-                sig[name] = "fp32" if isinstance(arg, float) else "i32"
-        sig.update((name, "constexpr") for name in constexprs)
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-        if maxnreg is not None:
-            options["maxnreg"] = maxnreg
-        triton.compile(ASTSource(self.kernel, sig, constexprs),
-                       target=GPUTarget("cuda", 90, 32), options=options)
-        print("compiled", self.kernel.__name__, options)
-
-
-compressed.launch = CompileForSm90
-l, d, sel, n, T, HQ, H, D = map(int, sys.argv[1:])
-q = torch.randn(1, T, HQ, D, dtype=torch.bfloat16)
-k_cmp = torch.randn(1, (T - l) // d + 1, H, D, dtype=torch.bfloat16)
-lse = torch.randn(1, T, HQ)
-compressed.select_blocks(q, k_cmp, lse, l, d, sel, n, D ** -0.5)
-"""
-
-
 def test_select_blocks_compiles_for_sm90_at_wide_steps():
     """l' = 8d at 32 blocks a step: scored as one [128 x 256]-key dot, the kernel took one wgmma
     whose accumulator alone needs the 128 registers its launch caps a thread at, and ptxas
     refused it on the H100 (the GPU sweep's draw 20, l=64 d=32 l'=256); the interpreter runs any
     tile, so only ptxas shows it. T = 4096 gives the long-sequence tile of 32 blocks a step."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _SM90_COMPILE, "16", "8", "64", "16", "4096",
-                          "16", "1", "128"], env=env, capture_output=True, text=True, timeout=600)
+    run = compile_for_sm90("select", 16, 8, 64, 16, 4096, 16, 1, 128)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "compiled _select_kernel" in run.stdout and "'maxnreg': 128" in run.stdout, run.stdout

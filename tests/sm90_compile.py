@@ -1,0 +1,101 @@
+"""Compiles the Triton kernels an op launches for sm_90 through ptxas, on a machine without a GPU.
+
+Run as a script without TRITON_INTERPRET (the tests start it in a subprocess):
+
+    python tests/sm90_compile.py select L D SEL N T HQ H DK
+        nsa_ops.kernels.compressed.select_blocks at that geometry (bf16)
+    python tests/sm90_compile.py routed DTYPE DK DV HQ H
+        every Triton kernel the routed ops launch at those head dims on a GPU (pointer loads,
+        the GPU tile tables; T = 2048, l=32, d=16, l'=64, n=16, w=512)
+
+Each kernel's `launch(kernel)[grid](...)` is swapped for triton.compile of the same arguments
+with the specialization Triton's JIT gives them on a GPU (16-byte aligned pointers and integers
+divisible by 16 marked divisible, integers equal to 1 made constants): without it the compiler
+pipelines fewer loads and reports less shared memory than the GPU asks (the compressed dq at
+D = 256, (128, 64) tiles, 2 stages: 192 KB here unspecialized, 256 KB on an H100 and here
+specialized). Prints one line per kernel: `compiled NAME OPTIONS smem BYTES`.
+"""
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+         torch.int32: "i32", torch.int64: "i64"}
+
+
+class CompileForSm90:
+    """Stands in for `launch(kernel)[grid]`: compiles instead of running."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return self.compile
+
+    def compile(self, *args, num_warps=4, num_stages=3, maxnreg=None, **constexprs):
+        sig, attrs = {}, {}
+        for i, (name, arg) in enumerate(zip(self.kernel.arg_names, args)):
+            if isinstance(arg, torch.Tensor):
+                sig[name] = "*" + TYPES[arg.dtype]
+                if arg.data_ptr() % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            elif arg is None:
+                sig[name], constexprs[name] = "constexpr", None
+            elif isinstance(arg, float):
+                sig[name] = "fp32"
+            elif arg == 1 and i not in self.kernel.do_not_specialize:
+                sig[name], constexprs[name] = "constexpr", 1
+            else:
+                sig[name] = "i32" if -2**31 <= arg < 2**31 else "i64"
+                if arg % 16 == 0 and i not in self.kernel.do_not_specialize:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        sig.update((name, "constexpr") for name in constexprs)
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
+        compiled = triton.compile(ASTSource(self.kernel, sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        print("compiled", self.kernel.__name__, options, "smem", compiled.metadata.shared,
+              flush=True)
+
+
+def select(l, d, sel, n, T, HQ, H, D):
+    from nsa_ops.kernels import compressed
+    compressed.launch = CompileForSm90
+    q = torch.randn(1, T, HQ, D, dtype=torch.bfloat16)
+    k_cmp = torch.randn(1, (T - l) // d + 1, H, D, dtype=torch.bfloat16)
+    compressed.select_blocks(q, k_cmp, torch.randn(1, T, HQ), l, d, sel, n, D ** -0.5)
+
+
+def routed(dtype, dk, dv, HQ, H):
+    from nsa_ops import reference
+    from nsa_ops.kernels import compressed, selection, window
+    for module in (window, compressed, selection):
+        module.launch = CompileForSm90
+    cpu_tiles = window._tile_config
+    window._tile_config = lambda kernel, row_bytes, on_gpu: cpu_tiles(kernel, row_bytes, True)
+    T, l, d, sel, n, w, scale = 2048, 32, 16, 64, 16, 512, dk ** -0.5
+    dt = getattr(torch, dtype)
+    q, do = (torch.randn(1, T, HQ, dim, dtype=dt) for dim in (dk, dv))
+    k, v = (torch.randn(1, T, H, dim, dtype=dt) for dim in (dk, dv))
+    o, lse = torch.randn(1, T, HQ, dv, dtype=dt), torch.randn(1, T, HQ)
+    window._triton_fwd(q, k, v, w, scale, None, tma=False)
+    window._triton_bwd(q, k, v, o, lse, do, None, w, scale, None, tma=False)
+    k_cmp, v_cmp = (x[:, :(T - l) // d + 1].contiguous() for x in (k, v))
+    compressed.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
+    compressed.compressed_attention_bwd(q, k_cmp, v_cmp, o, lse, do, None, l, d, scale)
+    compressed.select_blocks(q, k_cmp, lse, l, d, sel, n, scale)
+    block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
+    selection.selection_attention_fwd(q, k, v, block_idx, sel, scale)
+    selection.selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel, scale)
+
+
+if __name__ == "__main__":
+    mode, *rest = sys.argv[1:]
+    if mode == "select":
+        select(*map(int, rest))
+    else:
+        routed(rest[0], *map(int, rest[1:]))
