@@ -71,6 +71,11 @@ PROGRAMS_PER_SM = 2
 # (4, 3) took 285 us against 295-417 us for the other (4|8, 2|3|4); at B=32 (8, 3) 154 us
 # against 166-218 us.
 LAUNCH = {"partials": (4, 2), "select": (4, 2), "fused": (4, 3), "fused_lone": (8, 3)}
+# Head rows (padded) wider than this many bytes (fp32 head dims > 128) launch without pipelined
+# loads: at fp32 D = 256 the partials kernel's 2 stages asked 272 KB of shared memory and the
+# one-launch kernel's 3 stages 276 KB, over sm_90's 227 (tests/test_sm90_shared_memory.py); one
+# stage takes 144 KB.
+PIPELINED_ROW_BYTES = 512
 # The one-launch kernel runs from this many (batch row, KV head) groups per SM up; below, split-K
 # keeps the SMs busy. H100 at 64k: with 128 groups on 132 SMs it took 154 us against split-K's
 # 179 us; with 64 groups 145 us against 107 us.
@@ -601,6 +606,7 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
     block_idx = torch.empty(B, 1, H, num_sel, dtype=torch.int32, device=dev)
 
     prec = dot_precision(q.dtype)
+    pipelined = max(pow2(Dk, 16), pow2(Dv, 16)) * q.element_size() <= PIPELINED_ROW_BYTES
     shared = dict(G=G, G_PAD=pow2(G, 16), DK=Dk, DV=Dv, DK_PAD=pow2(Dk, 16),
                   DV_PAD=pow2(Dv, 16), PREC=prec, NBLK_CAP=plan.nblk_cap)
     cmp_geometry = dict(L=block_len, STRIDE=block_stride, SEL=sel_block, WINDOW=window,
@@ -619,7 +625,8 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
         _fused_kernel[(B * H,)](
             q, k, v, k_cmp, v_cmp, length, lp, pm, pl, g_cmp, g_slc, g_win, o, block_idx, reads,
             *strides, *cmp_strides, *gate_strides, H, qk_scale,
-            num_warps=max(num_warps, 8 if nblk_pad > 2048 else 4), num_stages=num_stages,
+            num_warps=max(num_warps, 8 if nblk_pad > 2048 else 4),
+            num_stages=num_stages if pipelined else 1,
             **shared, **cmp_geometry, **selection)
         return o, reads, block_idx
 
@@ -628,13 +635,14 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
     shared.update(NC=plan.nc, NW=plan.nw, NPART=npart)
     _partials_kernel[(plan.nc + plan.nw, B * H)](
         q, k, v, k_cmp, v_cmp, length, lp, pm, pl, pacc, pcnt, *strides, *cmp_strides, H,
-        qk_scale, num_warps=LAUNCH["partials"][0], num_stages=LAUNCH["partials"][1],
+        qk_scale, num_warps=LAUNCH["partials"][0],
+        num_stages=LAUNCH["partials"][1] if pipelined else 1,
         **shared, **cmp_geometry)
     _select_kernel[(plan.ns, B * H)](
         q, k, v, length, lp, pm, pl, pacc, pcnt, block_idx, *strides, H, qk_scale,
         SEL=sel_block, SPS=plan.sps, NC_PAD=pow2(plan.nc),
         num_warps=max(LAUNCH["select"][0], 8 if nblk_pad > 2048 else 4),
-        num_stages=LAUNCH["select"][1], **shared, **selection)
+        num_stages=LAUNCH["select"][1] if pipelined else 1, **shared, **selection)
     # PT: up to 64 partials of a branch merge in one step, so their loads are in flight together
     _combine_kernel[(B * HQ,)](
         pm, pl, pacc, pcnt, g_cmp, g_slc, g_win, o, reads, *gate_strides, H, HQ,

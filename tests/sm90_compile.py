@@ -6,7 +6,8 @@ Run as a script without TRITON_INTERPRET (the tests start it in a subprocess):
         nsa_ops.kernels.compressed.select_blocks at that geometry (bf16)
     python tests/sm90_compile.py routed DTYPE DK DV HQ H
         every Triton kernel the routed ops launch at those head dims on a GPU (pointer loads,
-        the GPU tile tables; T = 2048, l=32, d=16, l'=64, n=16, w=512)
+        the GPU tile tables; T = 2048, l=32, d=16, l'=64, n=16, w=512), decode over a cache of
+        T tokens both ways (one launch and split-K)
 
 Each kernel's `launch(kernel)[grid](...)` is swapped for triton.compile of the same arguments
 with the specialization Triton's JIT gives them on a GPU (16-byte aligned pointers and integers
@@ -72,7 +73,7 @@ def select(l, d, sel, n, T, HQ, H, D):
 
 def routed(dtype, dk, dv, HQ, H):
     from nsa_ops import reference
-    from nsa_ops.kernels import compressed, selection, window
+    from nsa_ops.kernels import compressed, decode, selection, window
     for module in (window, compressed, selection):
         module.launch = CompileForSm90
     cpu_tiles = window._tile_config
@@ -91,6 +92,16 @@ def routed(dtype, dk, dv, HQ, H):
     block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
     selection.selection_attention_fwd(q, k, v, block_idx, sel, scale)
     selection.selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel, scale)
+    # decode launches its kernels directly, over a cache of T tokens for 2 sequences
+    for name in ("_fused_kernel", "_partials_kernel", "_select_kernel", "_combine_kernel"):
+        setattr(decode, name, CompileForSm90(getattr(decode, name)))
+    cache_k, cache_v = (x.expand(2, -1, -1, -1).contiguous() for x in (k, v))
+    cmp_k, cmp_v = (x.expand(2, -1, -1, -1).contiguous() for x in (k_cmp, v_cmp))
+    gates = [torch.rand(2, 1, HQ, dtype=dt) for _ in range(3)]
+    for fused in (True, False):
+        decode.nsa_decode(q[:1, :1].expand(2, -1, -1, -1).contiguous(), cache_k, cache_v, cmp_k,
+                          cmp_v, torch.tensor([T]), *gates, block_len=l, block_stride=d,
+                          sel_block=sel, num_sel=n, window=w, scale=scale, fused=fused)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""Every Triton kernel the routed ops launch on an H100 fits its shared memory, checked without a
-GPU: tests/sm90_compile.py compiles them for sm_90 through ptxas with the GPU's tile tables and
-the specialization Triton's JIT gives real launches. A tile that asks for more cannot launch
-(OutOfResources on the first call), and the CPU suite runs the interpreter, which takes any
-tile. The head rows are the widest each routed path serves: 16-bit D = 256 (the Triton rows'
-limit, where FA-2 and cuDNN refuse or the queries sit at an offset) and fp32 D = 256 (the last
-tile tier)."""
+"""Every Triton kernel the routed ops (decode included) launch on an H100 fits its shared
+memory, checked without a GPU: tests/sm90_compile.py compiles them for sm_90 through ptxas with
+the GPU's tile tables and the specialization Triton's JIT gives real launches. A tile that asks
+for more cannot launch (OutOfResources on the first call), and the CPU suite runs the
+interpreter, which takes any tile. The head rows are the widest each routed path serves: 16-bit
+D = 256 (the Triton rows' limit, where FA-2 and cuDNN refuse or the queries sit at an offset) and
+fp32 D = 256 (the last tile tier)."""
 import re
 
 import pytest
@@ -23,9 +23,9 @@ def test_routed_kernels_fit_sm90_shared_memory(dtype, dk, dv, HQ, H):
     assert run.returncode == 0, run.stderr[-3000:]
     kernels = re.findall(r"compiled (\w+) (\{.*?\}) smem (\d+)", run.stdout)
     names = {name for name, _, _ in kernels}
-    # the window, compressed and selection kernels, forward and backward, and select_blocks
+    # the window, compressed and selection kernels, forward and backward, select_blocks, decode
     assert {"_bwd_dq_kernel", "_bwd_dkdv_kernel", "_dq_kernel", "_dkdv_kernel", "_select_kernel",
-            "_shared_dq_kernel"} <= names, run.stdout
+            "_shared_dq_kernel", "_fused_kernel", "_partials_kernel"} <= names, run.stdout
     over = [(name, options, int(smem)) for name, options, smem in kernels
             if int(smem) > SM90_SHARED_BYTES]
     assert not over, over
