@@ -22,7 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import dot_precision, launch, launch_options, pow2, unit_last_stride
+from nsa_ops.kernels.utils import (dot_precision, launch, launch_options, pow2, row_bytes,
+                                   unit_last_stride)
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
 LOG2E = 1.4426950408889634
@@ -708,8 +709,8 @@ _SELECT_TILES = (((64, 64, 8, 4, 2, 128), (128, 32, 8, 8, 2, 128)),
 
 def _tier(dtype: torch.dtype, *dims: int) -> int:
     """0 / 1 / 2 for padded head rows of <= 256 / <= 512 / more bytes."""
-    row_bytes = _pad(max(dims)) * dtype.itemsize
-    return 0 if row_bytes <= 256 else 1 if row_bytes <= 512 else 2
+    width = row_bytes(dtype, *dims)
+    return 0 if width <= 256 else 1 if width <= 512 else 2
 
 
 def _rows_cfg(G: int, rows: int) -> tuple[int, int]:
@@ -740,10 +741,11 @@ def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_
     # leaves _score_tile's one wide dot, and took n = 48 / 64 3.4x the time of n = 16 on an
     # H100 at 64k (26.8 / 27.2 against 7.9 ms; 12.5 with 32-block steps merged 8 at a time).
     if merge * sb < n_pad:
-        # and merges no more scores at a time than the table or n needs: at n = 64 with one
-        # query head per KV head (128 tokens a program), merging 8 x 64 scores kept Triton
-        # compiling for over 6 minutes (CPU machine, sm_90 target), 8 x 32 for 58 s
-        merge = max(1, min(merge, merge * table_sb * merge // n_pad))
+        # and merges as many fewer steps as it widens them, so a merge ranks n_pad scores, no
+        # more: at n = 64 with one query head per KV head (128 tokens a program), merging 8 x 64
+        # scores kept Triton compiling for over 6 minutes (CPU machine, sm_90 target), 8 x 32
+        # for 58 s
+        merge = max(1, merge * (merge * sb) // n_pad)
         sb = n_pad // merge
     return tok, g_pad, sb, merge, launch_options(num_warps, num_stages, maxnreg)
 

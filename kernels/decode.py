@@ -54,7 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels.compressed import key_block, top_n_keys
-from nsa_ops.kernels.utils import dot_precision, pow2
+from nsa_ops.kernels.utils import dot_precision, pow2, row_bytes
 from nsa_ops.reference import num_cmp
 from nsa_ops.routing import DecodeGeometry, decode_geometry_refusal
 
@@ -76,6 +76,13 @@ LAUNCH = {"partials": (4, 2), "select": (4, 2), "fused": (4, 3), "fused_lone": (
 # one-launch kernel's 3 stages 276 KB, over sm_90's 227 (tests/test_sm90_shared_memory.py); one
 # stage takes 144 KB.
 PIPELINED_ROW_BYTES = 512
+
+
+def _launch(kind: str, width: int) -> tuple[int, int]:
+    """LAUNCH[kind] for head rows of `width` bytes: (num_warps, num_stages)."""
+    num_warps, num_stages = LAUNCH[kind]
+    return num_warps, num_stages if width <= PIPELINED_ROW_BYTES else 1
+
 # The one-launch kernel runs from this many (batch row, KV head) groups per SM up; below, split-K
 # keeps the SMs busy. H100 at 64k: with 128 groups on 132 SMs it took 154 us against split-K's
 # 179 us; with 64 groups 145 us against 107 us.
@@ -606,7 +613,7 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
     block_idx = torch.empty(B, 1, H, num_sel, dtype=torch.int32, device=dev)
 
     prec = dot_precision(q.dtype)
-    pipelined = max(pow2(Dk, 16), pow2(Dv, 16)) * q.element_size() <= PIPELINED_ROW_BYTES
+    width = row_bytes(q.dtype, Dk, Dv)
     shared = dict(G=G, G_PAD=pow2(G, 16), DK=Dk, DV=Dv, DK_PAD=pow2(Dk, 16),
                   DV_PAD=pow2(Dv, 16), PREC=prec, NBLK_CAP=plan.nblk_cap)
     cmp_geometry = dict(L=block_len, STRIDE=block_stride, SEL=sel_block, WINDOW=window,
@@ -621,28 +628,28 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
     gate_strides = (g_cmp.stride(0), g_cmp.stride(2), g_slc.stride(0), g_slc.stride(2),
                     g_win.stride(0), g_win.stride(2), o.stride(0), o.stride(2))
     if plan.fused:
-        num_warps, num_stages = LAUNCH["fused" if B * H > _sm_count(dev) else "fused_lone"]
+        num_warps, num_stages = _launch("fused" if B * H > _sm_count(dev) else "fused_lone",
+                                        width)
         _fused_kernel[(B * H,)](
             q, k, v, k_cmp, v_cmp, length, lp, pm, pl, g_cmp, g_slc, g_win, o, block_idx, reads,
             *strides, *cmp_strides, *gate_strides, H, qk_scale,
-            num_warps=max(num_warps, 8 if nblk_pad > 2048 else 4),
-            num_stages=num_stages if pipelined else 1,
+            num_warps=max(num_warps, 8 if nblk_pad > 2048 else 4), num_stages=num_stages,
             **shared, **cmp_geometry, **selection)
         return o, reads, block_idx
 
     pacc = torch.empty(B * H, npart, G, Dv, dtype=f32, device=dev)
     pcnt = torch.empty(B * H, npart, dtype=torch.int32, device=dev)
     shared.update(NC=plan.nc, NW=plan.nw, NPART=npart)
+    num_warps, num_stages = _launch("partials", width)
     _partials_kernel[(plan.nc + plan.nw, B * H)](
         q, k, v, k_cmp, v_cmp, length, lp, pm, pl, pacc, pcnt, *strides, *cmp_strides, H,
-        qk_scale, num_warps=LAUNCH["partials"][0],
-        num_stages=LAUNCH["partials"][1] if pipelined else 1,
-        **shared, **cmp_geometry)
+        qk_scale, num_warps=num_warps, num_stages=num_stages, **shared, **cmp_geometry)
+    num_warps, num_stages = _launch("select", width)
     _select_kernel[(plan.ns, B * H)](
         q, k, v, length, lp, pm, pl, pacc, pcnt, block_idx, *strides, H, qk_scale,
         SEL=sel_block, SPS=plan.sps, NC_PAD=pow2(plan.nc),
-        num_warps=max(LAUNCH["select"][0], 8 if nblk_pad > 2048 else 4),
-        num_stages=LAUNCH["select"][1] if pipelined else 1, **shared, **selection)
+        num_warps=max(num_warps, 8 if nblk_pad > 2048 else 4), num_stages=num_stages,
+        **shared, **selection)
     # PT: up to 64 partials of a branch merge in one step, so their loads are in flight together
     _combine_kernel[(B * HQ,)](
         pm, pl, pacc, pcnt, g_cmp, g_slc, g_win, o, reads, *gate_strides, H, HQ,

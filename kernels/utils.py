@@ -24,6 +24,12 @@ def pow2(x: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, x - 1).bit_length())
 
 
+def row_bytes(dtype: torch.dtype, *dims: int) -> int:
+    """The widest head row of a kernel's tiles in bytes: head dims padded as the tiles pad them
+    (`pow2(D, 16)`). The tile tables are keyed by it."""
+    return max(pow2(d, 16) for d in dims) * dtype.itemsize
+
+
 def unit_last_stride(x: Tensor) -> Tensor:
     """x, or a contiguous copy when its last dim has a stride: the kernels (and SDPA) read a head
     row as one contiguous vector and take the leading strides as they are."""

@@ -32,8 +32,8 @@ from torch import Tensor
 from nsa_ops import routing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_kv_reason,
-                                   tma_layout, unit_last_stride, use_tma)
+from nsa_ops.kernels.utils import (dot_precision, launch, pow2, row_bytes, tma_descriptors,
+                                   tma_kv_reason, tma_layout, unit_last_stride, use_tma)
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -390,19 +390,14 @@ def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> Optional[TileConf
     return getattr(tiles, kernel)
 
 
-def _row_bytes(q: Tensor, dk: int, dv: int) -> int:
-    """The widest head row of the kernels' tiles (head dims padded to powers of two), in bytes."""
-    return max(pow2(dk, 16), pow2(dv, 16)) * q.element_size()
-
-
 def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor, do: Optional[Tensor] = None
                 ) -> Optional[str]:
     """Why kernel "fwd" or "dq" cannot read K/V, or "dkdv" Q/dO (do given), through TMA
     descriptors (None: it can)."""
-    row_bytes = _row_bytes(q, k.shape[3], v.shape[3])
-    tiles = _tile_config(f"{kernel}_tma", row_bytes, q.is_cuda)
+    width = row_bytes(q.dtype, k.shape[3], v.shape[3])
+    tiles = _tile_config(f"{kernel}_tma", width, q.is_cuda)
     if tiles is None:
-        return f"no {kernel} TMA tiles measured for {row_bytes}-byte rows"
+        return f"no {kernel} TMA tiles measured for {width}-byte rows"
     if kernel != "dkdv":
         return tma_kv_reason(k, v)
     G = q.shape[2] // k.shape[2]
@@ -447,7 +442,7 @@ def _row_descriptors(q: Tensor, do: Tensor, H: int, meta: dict) -> tuple:
 def _kernel_meta(q: Tensor, dk: int, dv: int, kernel: str) -> dict:
     block_dk = pow2(dk, 16)
     block_dv = pow2(dv, 16)
-    cfg = _tile_config(kernel, _row_bytes(q, dk, dv), q.is_cuda)
+    cfg = _tile_config(kernel, row_bytes(q.dtype, dk, dv), q.is_cuda)
     precision = dot_precision(q.dtype)
     return dict(DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PRECISION=precision, num_warps=cfg.num_warps,

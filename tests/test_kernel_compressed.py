@@ -13,6 +13,7 @@ import triton.language as tl
 
 from nsa_ops import reference as ref
 from nsa_ops.kernels import compressed as kc
+from nsa_ops.kernels.utils import pow2
 from helpers import compile_for_sm90, poisoned_empty, rel_err
 
 # per dtype: |kernel - reference| <= ATOL * (1 + |reference|)
@@ -345,7 +346,7 @@ def test_select_blocks_wide_top_n_keeps_the_tables_step(num_sel):
     hold it (SB = the padded n took n = 64 3.4x n = 16's time on an H100: no wide dot), and
     never merges more scores at a time than the table or the top-n needs (at n = 64 with G = 1,
     8 x 64 pending scores a row kept Triton compiling for minutes)."""
-    n_pad = 1 << (num_sel - 1).bit_length()
+    n_pad = pow2(num_sel)
     for tier in range(len(kc._SELECT_TILES)):
         for loads in (1, 4):
             _, table_sb, table_merge, *_ = kc._SELECT_TILES[tier][loads > 1]
