@@ -380,12 +380,47 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
 # Block selection: Eq.9 + Eq.10 scores in registers, then in-kernel top-n
 # --------------------------------------------------------------------------------------------
 
+@triton.constexpr_function
+def _spill_share(o, L, STRIDE, SEL):
+    """With l <= l': the share of the compressed block at offset o (in strides of d) inside
+    selection block j that belongs to block j + 1 (its own share is 1 minus it)."""
+    return max(o * STRIDE + L - SEL, 0) / L
+
+
+@triton.constexpr_function
+def _spills(L, STRIDE, SEL):
+    """Whether a compressed block ever runs into the next selection block (l <= l' only: with
+    l > l' the tiles recompute the blocks that start earlier instead)."""
+    return L <= SEL and (SEL // STRIDE - 1) * STRIDE + L > SEL
+
+
 @triton.jit
-def _offset_shares(o, L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr):
-    """With l <= l': (selection block j's share, block j + 1's) of the compressed block that
-    starts at offset o (in strides of d) inside block j, fp32."""
-    return (tl.minimum(SEL - o * STRIDE, L).to(tl.float32) / L,
-            tl.maximum(o * STRIDE + L - SEL, 0).to(tl.float32) / L)
+def _add_offset(own, spill, p, o: tl.constexpr, L: tl.constexpr, STRIDE: tl.constexpr,
+                SEL: tl.constexpr):
+    """own, spill += the offset-o scores p, weighted by their shares: the constant shares stay
+    out of the math where they are 1 or 0 (most offsets), where a weighted sum paid a multiply
+    per score."""
+    share: tl.constexpr = _spill_share(o, L, STRIDE, SEL)
+    if share == 0:
+        own += p
+    else:
+        own += p * (1.0 - share)
+        spill += p * share
+    return own, spill
+
+
+@triton.jit
+def _add_offsets4(own, spill, p, first: tl.constexpr, step: tl.constexpr, L: tl.constexpr,
+                  STRIDE: tl.constexpr, SEL: tl.constexpr):
+    """`_add_offset` of p [rows, SB, 4], whose last index i holds offset first + step * i."""
+    even, odd = tl.split(p.reshape(p.shape[0], p.shape[1], 2, 2))  # i = 2a + b: b = 0, b = 1
+    p0, p2 = tl.split(even)
+    p1, p3 = tl.split(odd)
+    own, spill = _add_offset(own, spill, p0, first, L, STRIDE, SEL)
+    own, spill = _add_offset(own, spill, p1, first + step, L, STRIDE, SEL)
+    own, spill = _add_offset(own, spill, p2, first + 2 * step, L, STRIDE, SEL)
+    own, spill = _add_offset(own, spill, p3, first + 3 * step, L, STRIDE, SEL)
+    return own, spill
 
 
 # The widest key tile `_score_tile` scores as one dot: a [128 rows x 128 keys] fp32 tile fits the
@@ -419,23 +454,33 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
     """
     R: tl.constexpr = SEL // STRIDE
     HEAD: tl.constexpr = 0 if L <= SEL else L // STRIDE - 1
+    own = tl.zeros([TOK * G_PAD, SB], tl.float32)
+    spill = tl.zeros([TOK * G_PAD, SB], tl.float32)
     # per query row first: the sum over the group's heads is a layout change, done once per tile
-    if HEAD == 0 and R > 1 and R & (R - 1) == 0 and R * SB <= _WIDE_KEYS:
+    if HEAD == 0 and (R == 2 or R == 4 or R == 8) and R * SB <= _WIDE_KEYS:
         # the R strided key tiles as one [R * SB] tile, offset-major (row o * SB + c holds block
-        # j[c] * R + o): one wide dot, and the sums over o stay inside each thread's registers.
-        # H100, bf16, spec geometry (R = 4), 64k: 8.48 -> 7.89 ms, the same indices; at R = 1
-        # (l = d = l') the loop below is one dot too, and this form took 4.54 ms against 3.68
+        # j[c] * R + o): one wide dot, and each offset's scores stay in a thread's registers,
+        # split out without data movement. H100, bf16, spec geometry (R = 4), 64k: 8.48 -> 7.89 ms
+        # as one dot, the same indices; 7.89 -> 6.98 with the offsets split out (the weighted
+        # sum over offsets paid a multiply and an add per score, 11% of a step's instructions)
+        # and `_join_top`. At R = 1 (l = d = l') the loop below is one dot too, and this form
+        # took 4.54 ms against 3.68
         o = tl.arange(0, R)
         kr = (j[None, :] * R + o[:, None]).reshape(R * SB)
         k = _load_keys(k_ptr, base + kr, skn, DK, DK_PAD, kr < ncmp)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.reshape(tl.exp2(s - lse2[:, None]), (TOK * G_PAD, R, SB))
-        w_own, w_spill = _offset_shares(o, L, STRIDE, SEL)
-        own = tl.sum(p * w_own[None, :, None], 1)
-        spill = tl.sum(p * w_spill[None, :, None], 1)
+        p = tl.exp2(s - lse2[:, None]).reshape(TOK * G_PAD, R, SB).permute(0, 2, 1)
+        if R == 2:
+            p0, p1 = tl.split(p)
+            own, spill = _add_offset(own, spill, p0, 0, L, STRIDE, SEL)
+            own, spill = _add_offset(own, spill, p1, 1, L, STRIDE, SEL)
+        elif R == 4:
+            own, spill = _add_offsets4(own, spill, p, 0, 1, L, STRIDE, SEL)
+        else:  # offsets 2a + b: the even ones, then the odd ones
+            even, odd = tl.split(p.reshape(TOK * G_PAD, SB, 4, 2))
+            own, spill = _add_offsets4(own, spill, even, 0, 2, L, STRIDE, SEL)
+            own, spill = _add_offsets4(own, spill, odd, 1, 2, L, STRIDE, SEL)
     else:
-        own = tl.zeros([TOK * G_PAD, SB], tl.float32)
-        spill = tl.zeros([TOK * G_PAD, SB], tl.float32)
         for o in tl.static_range(HEAD + R):
             kr = j * R - HEAD + o  # block index inside the sequence
             k = _load_keys(k_ptr, base + kr, skn, DK, DK_PAD, (kr >= 0) & (kr < ncmp))
@@ -449,10 +494,7 @@ def _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
                 overlap = tl.minimum(start + L, (j + 1) * SEL) - tl.maximum(start, j * SEL)
                 own += p * (tl.maximum(overlap, 0).to(tl.float32) / L)[None, :]
             else:
-                w_own, w_spill = _offset_shares(o, L, STRIDE, SEL)
-                own += p * w_own
-                if o * STRIDE + L > SEL:  # the block runs into j + 1
-                    spill += p * w_spill
+                own, spill = _add_offset(own, spill, p, o, L, STRIDE, SEL)
     return (tl.sum(tl.reshape(own, (TOK, G_PAD, SB)), 1),
             tl.sum(tl.reshape(spill, (TOK, G_PAD, SB)), 1))
 
@@ -469,22 +511,21 @@ def _block_keys(score, j, pos, live, SEL: tl.constexpr):
 
 
 @triton.jit
-def _block_scores(it, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, qk_scale,
-                  L: tl.constexpr, STRIDE: tl.constexpr, SEL: tl.constexpr, DK: tl.constexpr,
-                  DK_PAD: tl.constexpr, TOK: tl.constexpr, G_PAD: tl.constexpr,
-                  SB: tl.constexpr, PREC: tl.constexpr):
-    """(scores [TOK, SB] of the selection blocks of tile `it`, the spill its last block owes the
-    next tile's first): `carry` is what the previous tile's last block spilled into this one."""
-    j = it * SB + tl.arange(0, SB)
-    own, spill = _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp, j, qk_scale,
-                             L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
-    if L <= SEL:
-        col = tl.arange(0, SB)[None, :]
-        from_left = tl.gather(spill, tl.maximum(col - 1, 0) + tl.zeros([TOK, SB], tl.int32),
-                              axis=1)
-        own += tl.where(col == 0, carry[:, None], from_left)
-        carry = tl.sum(tl.where(col == SB - 1, spill, 0.0), 1)
-    return own, carry
+def _shift_in(spill, carry, N: tl.constexpr):
+    """spill [TOK, N] moved one block right, `carry` [TOK] entering at block 0: what each block
+    receives from the block before it."""
+    col = tl.arange(0, N)[None, :]
+    from_left = tl.gather(spill, tl.maximum(col - 1, 0) + tl.zeros_like(spill).to(tl.int32),
+                          axis=1)
+    return tl.where(col == 0, carry[:, None], from_left)
+
+
+@triton.jit
+def _join_top(top, keys, NSEL_PAD: tl.constexpr):
+    """The NSEL_PAD largest of a descending running top-n and of `keys`, descending: the two
+    sorted lists meet as one bitonic sequence (one merge network, not a second sort)."""
+    return tl.bitonic_merge(tl.maximum(top, tl.flip(tl.topk(keys, NSEL_PAD), 1)),
+                            descending=True)
 
 
 @triton.jit
@@ -513,25 +554,27 @@ def _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, 
     n_blk = tl.max(tl.where(live, pos // SEL + 1, 0), 0)
     n_tiles = tl.cdiv(n_blk, SB)
     carry = tl.zeros([TOK], tl.float32)
+    top = tl.full([TOK, NSEL_PAD], -1, tl.int64)
+    SPILLS: tl.constexpr = _spills(L, STRIDE, SEL)
     # the scores of the last MERGE tiles wait in `pending` (slot it % MERGE); their top-n joins
     # the running top-n once: a merge per tile costs more than the tile's own scores at l = d = l'
     slot = tl.arange(0, MERGE)[None, :, None]
     pending = tl.zeros([TOK, MERGE, SB], tl.float32)
-    if MERGE == 1:
-        own, carry = _block_scores(0, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
-                                   qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
-        top = tl.topk(_block_keys(own, tl.arange(0, SB), pos, live, SEL), NSEL_PAD)
-        first_tile = 1
-    else:
-        top = tl.full([TOK, NSEL_PAD], -1, tl.int64)
-        first_tile = 0
-    for it in range(first_tile, n_tiles):
-        own, carry = _block_scores(it, carry, q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
-                                   qk_scale, L, STRIDE, SEL, DK, DK_PAD, TOK, G_PAD, SB, PREC)
+    for it in range(0, n_tiles):
+        own, spill = _score_tile(q, lse2, rvalid, nvis, k_ptr, skn, base, ncmp,
+                                 it * SB + tl.arange(0, SB), qk_scale, L, STRIDE, SEL, DK,
+                                 DK_PAD, TOK, G_PAD, SB, PREC)
+        if SPILLS:
+            # per tile: spills waiting beside the scores until the merge doubled `pending`'s
+            # registers and took 8.30 against 7.89 ms at 64k, 2.65 against 0.88 at G = 1 (H100,
+            # spec geometry)
+            own += _shift_in(spill, carry, SB)
+            carry = tl.sum(tl.where(tl.arange(0, SB)[None, :] == SB - 1, spill, 0.0), 1)
         if MERGE == 1:
-            keys = _block_keys(own, it * SB + tl.arange(0, SB), pos, live, SEL)
-            top = tl.topk(tl.reshape(tl.join(top, tl.topk(keys, NSEL_PAD)), (TOK, 2 * NSEL_PAD)),
-                          NSEL_PAD)
+            # straight from `own`: through `pending` the compiler laid the keys out for the
+            # merge network with 217 shuffles against 137 (8k, spec geometry: 0.258 / 0.187 ms)
+            top = _join_top(top, _block_keys(own, it * SB + tl.arange(0, SB), pos, live, SEL),
+                            NSEL_PAD)
         else:
             pending = tl.where(slot == it % MERGE, own[:, None, :], pending)
             if (it % MERGE == MERGE - 1) | (it == n_tiles - 1):
@@ -539,8 +582,7 @@ def _score_sequence(best, q, lse2, valid, tok, T, NC, seq_id, SEQ, POS, CMP_CU, 
                 # row may select: their keys are -1
                 j = (it - it % MERGE) * SB + tl.arange(0, MERGE * SB)
                 keys = _block_keys(tl.reshape(pending, (TOK, MERGE * SB)), j, pos, live, SEL)
-                top = tl.topk(tl.reshape(tl.join(top, tl.topk(keys, NSEL_PAD)),
-                                         (TOK, 2 * NSEL_PAD)), NSEL_PAD)
+                top = _join_top(top, keys, NSEL_PAD)
     return tl.where(live[:, None], top, best)
 
 

@@ -233,14 +233,18 @@ def test_select_blocks_ties():
     assert torch.equal(block_idx, ref.topn_blocks(score, pos, sel, n))
 
 
-@pytest.mark.parametrize("merge", [2, 4])
-def test_select_blocks_merges_several_tiles(monkeypatch, merge):
-    """Three score tiles of 16 blocks (T = 300, l' = 8): merge=2 merges a full pair, then the
-    last tile beside the first pair's stale scores; merge=4 merges once, part-filled. G = 3 pads
-    each token's heads to 4 rows."""
+@pytest.mark.parametrize("merge,l,d,sel", [
+    (2, 16, 8, 8), (4, 16, 8, 8), (2, 16, 8, 16), (2, 8, 4, 16), (4, 8, 4, 16), (2, 4, 2, 16)],
+    ids=["l>l'-2", "l>l'-4", "R2-2", "R4-2", "R4-4", "R8-2"])
+def test_select_blocks_merges_several_tiles(monkeypatch, merge, l, d, sel):
+    """Score tiles of 16 blocks, merged 2 or 4 at a time, then one tile beside the last merge's
+    stale scores (3 / 5 tiles: 40 / 72 blocks). With l <= l' a compressed block
+    runs into the next selection block, and what it owes there waits with the scores until the
+    merge, across tiles and across merges (R = l'/d = 2, 4, 8, the wide dot's three forms); with
+    l > l' the tiles recompute it. G = 3 pads each token's heads to 4 rows."""
     monkeypatch.setattr(kc, "_SELECT_TILES", (((32, 16, merge, 4, 1, None),) * 2,) * 3)
-    l, d, sel = 16, 8, 8
-    q, k, v = make_inputs(1, 300, 1, 3, 16, 16, l, d, torch.float32, seed=7)
+    blocks = 16 * merge + 8
+    q, k, v = make_inputs(1, blocks * sel - 4, 1, 3, 16, 16, l, d, torch.float32, seed=7)
     lse = ref.compressed_attention(q, k, v, l, d, q.shape[-1] ** -0.5, None)[1]
     check_selection(q, k, lse, l, d, sel, 5, None, exact=True, tol=1e-5)
 

@@ -316,3 +316,27 @@ def test_gpu_kernel_64k_matches_reference(fused):
         assert reads.tolist() == [cfg.reads(pos)]
         assert (block_idx == want_idx).float().mean().item() > 0.95
         assert rel_err(o, want_o) < REL_GPU[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["split-K", "one-launch"])
+def test_gpu_float32_head_dim_256(fused):
+    """fp32 caches of head dim 256 run the kernels at one stage (kernels/decode.py's
+    PIPELINED_ROW_BYTES: pipelined, they asked more shared memory than sm_90 has), spec
+    geometry, past the selection and window spans."""
+    cfg = NSAConfig(hidden_size=64, num_heads=8, num_kv_heads=2, head_dim_qk=256,
+                    head_dim_v=256)
+    S = 5000
+    cache = filled_cache(cfg, 2, S, capacity=S, dtype=torch.float32, device="cuda")
+    ref_cache = twin(cache, torch.float64)
+    q, gates = query(cfg, 2, torch.float32, device="cuda")
+    for pos in (700, S):
+        for c in (cache, ref_cache):
+            c.length = pos
+            c.device_length.fill_(pos)
+        with poisoned_empty():
+            o, reads, block_idx = run_kernel(q, cache, gates, fused=fused)
+        want_o, want_reads, want_idx = reference_step(q, ref_cache, gates)
+        assert torch.equal(block_idx, want_idx)
+        assert reads.tolist() == want_reads.tolist()
+        assert_close(o, want_o, 1e-4)
