@@ -57,6 +57,13 @@ def twin(cache, dtype):
     return out
 
 
+def at_length(S, *caches):
+    """Caches holding their first S tokens (host and device lengths)."""
+    for c in caches:
+        c.length = S
+        c.device_length.fill_(S)
+
+
 def query(cfg, B, dtype, device="cpu", seed=1):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, 1, cfg.num_heads, cfg.head_dim_qk, generator=g).to(dtype)
@@ -113,9 +120,7 @@ def test_kernel_matches_reference(B, G, H, Dk, Dv, splits, positions, dtype):
     ref_cache = twin(cache, torch.float64)
     q, gates = query(cfg, B, dtype)
     for S in positions:
-        for c in (cache, ref_cache):
-            c.length = S
-            c.device_length.fill_(S)
+        at_length(S, cache, ref_cache)
         with poisoned_empty():
             o, reads, block_idx = run_kernel(q, cache, gates, splits)
         want_o, want_reads, want_idx = reference_step(q, ref_cache, gates)
@@ -308,9 +313,7 @@ def test_gpu_kernel_64k_matches_reference(fused):
     ref_cache = twin(cache, torch.float32)
     q, gates = query(cfg, 1, torch.bfloat16, device="cuda")
     for pos in (4097, 40000, 65536):
-        for c in (cache, ref_cache):
-            c.length = pos
-            c.device_length.fill_(pos)
+        at_length(pos, cache, ref_cache)
         o, reads, block_idx = run_kernel(q, cache, gates, fused=fused)
         want_o, _, want_idx = reference_step(q, ref_cache, gates)
         assert reads.tolist() == [cfg.reads(pos)]
@@ -331,9 +334,7 @@ def test_gpu_float32_head_dim_256(fused):
     ref_cache = twin(cache, torch.float64)
     q, gates = query(cfg, 2, torch.float32, device="cuda")
     for pos in (700, S):
-        for c in (cache, ref_cache):
-            c.length = pos
-            c.device_length.fill_(pos)
+        at_length(pos, cache, ref_cache)
         with poisoned_empty():
             o, reads, block_idx = run_kernel(q, cache, gates, fused=fused)
         want_o, want_reads, want_idx = reference_step(q, ref_cache, gates)
