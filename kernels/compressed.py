@@ -738,7 +738,8 @@ _TILES = {
 # gave the uncapped tier-0 kernel 177 registers, so one per SM. At l=32, d=16 that pays with 32
 # blocks per step, whose pipelined keys leave shared memory for two programs (99 KB each, 64
 # blocks: 166 KB): H100 64k 10.36 -> 9.22 ms (64 blocks capped: 11.22; l=d=l'=64 4.78 -> 4.21),
-# spilling 16 bytes (bench/results/README.md).
+# spilling 16 bytes then (bench/results/README.md); 56 bytes of spill stores at `0ebfd40` and at the
+# kernel before it (Triton 3.6, ptxas for sm_90, 64k).
 _SELECT_TILES = (((64, 64, 8, 4, 2, 128), (128, 32, 8, 8, 2, 128)),
                  ((64, 32, 1, 8, 1, None), (64, 32, 1, 8, 1, None)),
                  ((32, 16, 1, 8, 1, None), (32, 16, 1, 8, 1, None)))
