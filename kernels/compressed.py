@@ -389,9 +389,10 @@ def _spill_share(o, L, STRIDE, SEL):
 
 @triton.constexpr_function
 def _spills(L, STRIDE, SEL):
-    """Whether a compressed block ever runs into the next selection block (l <= l' only: with
-    l > l' the tiles recompute the blocks that start earlier instead)."""
-    return L <= SEL and (SEL // STRIDE - 1) * STRIDE + L > SEL
+    """Whether a compressed block ever runs into the next selection block: the last offset's
+    does if any does (l <= l' only: with l > l' the tiles recompute the blocks that start
+    earlier instead)."""
+    return L <= SEL and _spill_share(SEL // STRIDE - 1, L, STRIDE, SEL) > 0
 
 
 @triton.jit

@@ -239,9 +239,9 @@ def test_select_blocks_ties():
 def test_select_blocks_merges_several_tiles(monkeypatch, merge, l, d, sel):
     """Score tiles of 16 blocks, merged 2 or 4 at a time, then one tile beside the last merge's
     stale scores (3 / 5 tiles: 40 / 72 blocks). With l <= l' a compressed block
-    runs into the next selection block, and what it owes there waits with the scores until the
-    merge, across tiles and across merges (R = l'/d = 2, 4, 8, the wide dot's three forms); with
-    l > l' the tiles recompute it. G = 3 pads each token's heads to 4 rows."""
+    runs into the next selection block, and what it owes there carries from tile to tile, across
+    merges too (R = l'/d = 2, 4, 8, the wide dot's three forms); with l > l' the tiles recompute
+    it. G = 3 pads each token's heads to 4 rows."""
     monkeypatch.setattr(kc, "_SELECT_TILES", (((32, 16, merge, 4, 1, None),) * 2,) * 3)
     blocks = 16 * merge + 8
     q, k, v = make_inputs(1, blocks * sel - 4, 1, 3, 16, 16, l, d, torch.float32, seed=7)
