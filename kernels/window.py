@@ -188,11 +188,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr):
-    """dK, dV of one key tile, summed over all G query heads of its group (no atomics). Scores
-    are kept transposed, [keys, rows]: P^T and dS^T then feed the dV and dK dots from registers
-    and Q / dO stay in shared memory (computed as [rows, keys], P and dS went through shared
-    memory to be transposed: the whole backward took 10.80-11.12 ms at 64k, against 10.39-10.45
-    transposed, on an H100).
+    """dK, dV of one key tile, summed over all G query heads of its group (no atomics).
     TMA: Q/dO row tiles come through the descriptors QD, DOD, one box the BLOCK_M // G tokens
     x G heads of a tile (`_row_descriptors`: G divides BLOCK_M, and tiles start at whole
     tokens); without, QD and DOD go unread. Fixed length (VARLEN false) places queries at
@@ -239,19 +235,18 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
         lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
 
-        pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-                     - lse[None, :])
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
         # the band mask only where a row is padding or does not see the whole key tile
         whole_lo, whole_hi = _whole_span(r0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N,
                                          VARLEN)
         if (r0 + BLOCK_M > T * G) | (n0 < whole_lo) | (n0 >= whole_hi):
-            band = ok[None, :] & (cols[:, None] >= first[None, :]) & \
-                (cols[:, None] <= kpos[None, :])
-            pt = tl.where(band, pt, 0.0)
-        dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
+            band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
+                (cols[None, :] <= kpos[:, None])
+            p = tl.where(band, p, 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
     tl.store(DKP + _offsets(b, cols, kvh, sdkb, sdkt, sdkh, dk_r),
              (dk * scale).to(DKP.dtype.element_ty), mask=k_mask)
@@ -369,24 +364,15 @@ class Tiles(NamedTuple):
 # 512-byte row's backward at Dk = 192, Dv = 128 (T = 16k): dQ (128, 32, 8, 2) with dK dV (64, 64,
 # 8, 2) 6.37 ms against 10.33 for the (32, 32, 4, 1) both had and 6.48-10.07 for four other pairs;
 # its forward is not re-measured. The two backward kernels share one config where a tier was not
-# measured. The dK dV tiles above were measured on the kernel before its transposed form; on the
-# transposed one (whole backward, two interleaved rounds against the kernel before at its tiles,
-# gradients bitwise equal, H100): 256-byte rows with TMA (64, 128, 8, 3) 16k / 64k 2.67-2.71 /
-# 10.39-10.45 ms against 2.74-2.81 / 10.80-11.12 ((64, 128, 8, 4) 2.71 / 11.53-11.62, (32, 128,
-# 8, 3) 2.88-2.91 / 11.97-12.13, (64, 64, 4, 3) - / 12.39-12.60), with pointer loads (64, 128, 8,
-# 3) 11.14-11.90 at 64k against 11.63-11.77 ((64, 64, 4, 2) 13.02-13.17); 128-byte rows (D = 64,
-# 64k) keep (64, 64, 4, 3): TMA 6.15-6.16 against 6.38-6.39, pointer loads 6.52-6.54 against
-# 6.53-6.60; 512-byte rows at 16k (32, 128, 8, 2): Dk = 192 / Dv = 128 5.36 against 6.40, fp32
-# D = 128 698 against 669 ((64, 128, 8, 2) 5.92 / 240 needs 262656 bytes of shared memory at
-# bf16 D = 256; (32, 64, 8, 2) 8.41 / 105; three others worse at both).
+# measured.
 _GPU_TILES = (
     (128, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 3), dq_tma=TileConfig(128, 32, 4, 3),
                 dkdv_tma=TileConfig(64, 64, 4, 3))),
-    (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 128, 8, 3), TileConfig(128, 32, 4, 3),
+    (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3),
-                dkdv_tma=TileConfig(64, 128, 8, 3))),
-    (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(32, 128, 8, 2), TileConfig(128, 32, 8, 2))),
+                dkdv_tma=TileConfig(64, 64, 4, 3))),
+    (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2))),
     (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
                      TileConfig(16, 32, 4, 1))),
 )
