@@ -340,6 +340,8 @@ class Tiles(NamedTuple):
     fwd_tma: Optional[TileConfig] = None
     dq_tma: Optional[TileConfig] = None
     dkdv_tma: Optional[TileConfig] = None
+    # the dK dV kernel for fp32 rows on a GPU, pointer loads; None: the 16-bit tiles above
+    dkdv_fp32: Optional[TileConfig] = None
 
 
 # GPU tiles by the widest padded head row in bytes: (row bytes up to, Tiles). Starting points for
@@ -371,23 +373,39 @@ _GPU_TILES = (
                 dkdv_tma=TileConfig(64, 64, 4, 3))),
     (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3),
-                dkdv_tma=TileConfig(64, 64, 4, 3))),
-    (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2))),
+                dkdv_tma=TileConfig(64, 64, 4, 3), dkdv_fp32=TileConfig(32, 64, 4, 2))),
+    (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
+                dkdv_fp32=TileConfig(32, 32, 4, 1))),
     (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
                      TileConfig(16, 32, 4, 1))),
 )
+# fp32 rows share the byte tiers with 16-bit ones, but their dots run on CUDA cores (ieee
+# precision), where the 16-bit dK dV tiles spill: whole backward, H100, T = 8k, G = 16, pointer
+# loads, `.gpu`-style sweep: D = 128 (64, 64, 8, 2) 332.9 ms, (32, 32, 4, 1) 50.9, (32, 32, 4, 2)
+# 58.3, (32, 16, 4, 2) 68.4, (16, 32, 4, 1) 70.2, (32, 64, 8, 2) 72.1, three others 315-512; D =
+# 64 (64, 64, 4, 2) 134.4, (32, 64, 4, 2) 20.4, (32, 32, 4, 2) 20.5, (32, 32, 4, 1) 21.5, four
+# others 21.8-134.5. The dQ tile moved the backward by under 10% at either (eight tiles each) and
+# the forward's fp32 D = 128 tile measured 11.3 ms against 11.2-21.2 for eight others: both stay.
 # The CPU interpreter's cost grows with the number of tiles; these still leave several tiles
 # (and skipped ones) in the small test shapes.
 _INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
 
 
 def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> Optional[TileConfig]:
-    """The TileConfig of kernel "fwd", "dkdv", "dq", "fwd_tma", "dq_tma" or "dkdv_tma" for rows
-    of row_bytes (None: a TMA kernel unmeasured there)."""
+    """The TileConfig of kernel "fwd", "dkdv", "dq", "fwd_tma", "dq_tma", "dkdv_tma" or
+    "dkdv_fp32" for rows of row_bytes (None: a TMA or fp32 kernel unmeasured there)."""
     if not on_gpu:
         return _INTERPRETER_TILES
     tiles = next(t for limit, t in _GPU_TILES if row_bytes <= limit)
     return getattr(tiles, kernel)
+
+
+def _fp32_dkdv_tile(q: Tensor, width: int) -> Optional[TileConfig]:
+    """The dK dV tile of fp32 rows of `width` bytes on a GPU, where their tier has one (pointer
+    loads); None: the tier's own tiles."""
+    if q.dtype != torch.float32 or not q.is_cuda:
+        return None
+    return _tile_config("dkdv_fp32", width, True)
 
 
 def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor, do: Optional[Tensor] = None
@@ -395,6 +413,8 @@ def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor, do: Optional[Tenso
     """Why kernel "fwd" or "dq" cannot read K/V, or "dkdv" Q/dO (do given), through TMA
     descriptors (None: it can)."""
     width = row_bytes(q.dtype, k.shape[3], v.shape[3])
+    if kernel == "dkdv" and _fp32_dkdv_tile(q, width) is not None:
+        return f"fp32 {width}-byte rows take the dkdv_fp32 tile, measured with pointer loads"
     tiles = _tile_config(f"{kernel}_tma", width, q.is_cuda)
     if tiles is None:
         return f"no {kernel} TMA tiles measured for {width}-byte rows"
@@ -442,7 +462,9 @@ def _row_descriptors(q: Tensor, do: Tensor, H: int, meta: dict) -> tuple:
 def _kernel_meta(q: Tensor, dk: int, dv: int, kernel: str) -> dict:
     block_dk = pow2(dk, 16)
     block_dv = pow2(dv, 16)
-    cfg = _tile_config(kernel, row_bytes(q.dtype, dk, dv), q.is_cuda)
+    width = row_bytes(q.dtype, dk, dv)
+    cfg = _fp32_dkdv_tile(q, width) if kernel == "dkdv" else None
+    cfg = cfg or _tile_config(kernel, width, q.is_cuda)
     precision = dot_precision(q.dtype)
     return dict(DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PRECISION=precision, num_warps=cfg.num_warps,

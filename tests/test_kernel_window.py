@@ -117,6 +117,16 @@ def test_triton_gpu_tiles_without_dlse(monkeypatch, poisoned_empty):
     _compare_cpu(1, 300, 2, 16, 16, 40, torch.float16, with_dlse=False, seed=3)
 
 
+@pytest.mark.parametrize("width", [256, 512])
+def test_triton_fp32_dkdv_tiles(width, monkeypatch, poisoned_empty):
+    """The dK dV tiles fp32 rows take on a GPU (`Tiles.dkdv_fp32`), run by the interpreter with
+    G = 16 (two tokens per 32-row tile) and queries past the last full tile."""
+    tile = win._tile_config("dkdv_fp32", width, True)
+    assert tile is not None
+    monkeypatch.setattr(win, "_fp32_dkdv_tile", lambda q, row_bytes: tile)
+    _compare_cpu(1, 150, 16, 16, 16, 70, torch.float32, seed=width)
+
+
 @pytest.mark.parametrize("B,Tq,Tk,G,Dk,Dv,w,lengths", [
     (2, 37, 37, 2, 32, 16, 8, None),  # the last key and row tiles run past the end; two box widths
     (1, 30, 70, 4, 16, 16, 20, None),  # queries at an offset
@@ -272,10 +282,12 @@ def test_gpu_routing():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["H4-G4-D192x128-T2048", "H8-G16-D128-T2048"])
+@pytest.mark.parametrize("case", ["H4-G4-D192x128-T2048", "H8-G16-D128-T2048",
+                                  "H4-G16-D64-T4096"])
 def test_gpu_triton_fp32(case):
     """fp32 on the GPU must use exact (non-tf32) dots: near-fp32 agreement with the reference.
-    D = 128 runs the 512-byte rows' tiles, Dk = 192 the widest."""
+    D = 128 runs the 512-byte rows' tiles and D = 64 the 256-byte rows' (their dkdv_fp32 tiles
+    in the dK dV kernel), Dk = 192 the widest."""
     cfg = GPU_CASES[case]
     q, k, v, do, dlse, cu = _gpu_inputs(cfg, torch.float32)
     scale = cfg["Dk"] ** -0.5
