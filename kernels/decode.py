@@ -76,17 +76,16 @@ LAUNCH = {"partials": (4, 2), "select": (4, 2), "fused": (4, 3), "fused_lone": (
 # one-launch kernel's 3 stages 276 KB, over sm_90's 227 (tests/test_sm90_shared_memory.py); one
 # stage takes 144 KB.
 PIPELINED_ROW_BYTES = 512
+# The one-launch kernel runs from this many (batch row, KV head) groups per SM up; below, split-K
+# keeps the SMs busy. H100 at 64k: with 128 groups on 132 SMs it took 154 us against split-K's
+# 179 us; with 64 groups 145 us against 107 us.
+FUSED_MIN_GROUPS_PER_SM = 0.75
 
 
 def _launch(kind: str, width: int) -> tuple[int, int]:
     """LAUNCH[kind] for head rows of `width` bytes: (num_warps, num_stages)."""
     num_warps, num_stages = LAUNCH[kind]
     return num_warps, num_stages if width <= PIPELINED_ROW_BYTES else 1
-
-# The one-launch kernel runs from this many (batch row, KV head) groups per SM up; below, split-K
-# keeps the SMs busy. H100 at 64k: with 128 groups on 132 SMs it took 154 us against split-K's
-# 179 us; with 64 groups 145 us against 107 us.
-FUSED_MIN_GROUPS_PER_SM = 0.75
 
 
 # --------------------------------------------------------------------------------------------

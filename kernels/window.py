@@ -384,8 +384,8 @@ _GPU_TILES = (
 # loads, `.gpu`-style sweep: D = 128 (64, 64, 8, 2) 332.9 ms, (32, 32, 4, 1) 50.9, (32, 32, 4, 2)
 # 58.3, (32, 16, 4, 2) 68.4, (16, 32, 4, 1) 70.2, (32, 64, 8, 2) 72.1, three others 315-512; D =
 # 64 (64, 64, 4, 2) 134.4, (32, 64, 4, 2) 20.4, (32, 32, 4, 2) 20.5, (32, 32, 4, 1) 21.5, four
-# others 21.8-134.5. The dQ tile moved the backward by under 10% at either (eight tiles each) and
-# the forward's fp32 D = 128 tile measured 11.3 ms against 11.2-21.2 for eight others: both stay.
+# others 21.8-31.4. No dQ tile beat the routed one by 1% at either (eight tiles each) and the
+# forward's fp32 D = 128 tile measured 11.3 ms against 11.2-21.2 for eight others: both stay.
 # The CPU interpreter's cost grows with the number of tiles; these still leave several tiles
 # (and skipped ones) in the small test shapes.
 _INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
