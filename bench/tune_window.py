@@ -6,8 +6,9 @@
 Used to fill `_GPU_TILES` in kernels/window.py (bf16, at the geometry of bench/geometry.py: by
 default the spec's, D=128, the 256-byte row tier). Each row replaces one of that tier's
 TileConfigs (the forward, dQ and dK dV kernels, each with pointer loads and with TMA loads
-(sm90+)) and times the pass it belongs to; a backward row with TMA loads has them in both of its
-kernels.
+(sm90+), and the dK dV kernel's own TMA tile for groups of W.WIDE_GROUP heads or more) and
+times the pass it belongs to; a backward row with TMA loads has them in both of its kernels. A
+dkdv_tma row leaves the wide-group tile out, so that it runs at any G.
 """
 import triton
 import triton.testing
@@ -26,6 +27,9 @@ SWEEP = {
     "dkdv_tma": ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 2), (128, 64, 8, 2),
                  (128, 64, 8, 3), (32, 64, 4, 2), (128, 32, 4, 2), (64, 128, 8, 2),
                  (64, 64, 8, 2)),
+    # the transposed form (keys_as_rows) measured faster with TMA at G >= W.WIDE_GROUP only
+    "dkdv_tma_wide": ((64, 128, 8, 3, True), (64, 64, 4, 3, True), (32, 128, 8, 3, True),
+                      (64, 128, 8, 2, True), (64, 64, 4, 3, False)),
     "dq_tma": ((128, 32, 4, 3), (128, 64, 4, 2), (128, 32, 4, 4), (64, 64, 4, 3),
                (128, 64, 4, 3), (64, 32, 4, 3)),
     "dq": ((128, 32, 4, 3), (128, 32, 4, 2), (128, 32, 4, 4), (64, 32, 4, 3), (128, 64, 8, 2),
@@ -54,9 +58,12 @@ def main():
     limit, tuned = tiles[tier]
     for kernel in args.kernels:
         for cfg in SWEEP[kernel]:
-            W._GPU_TILES = tuple(tiles[:tier]) + (
-                (limit, tuned._replace(**{kernel: W.TileConfig(*cfg)})),) + tuple(tiles[tier + 1:])
-            forward, tma = kernel.startswith("fwd"), kernel.endswith("_tma")
+            swap = {kernel: W.TileConfig(*cfg)}
+            if kernel == "dkdv_tma":
+                swap["dkdv_tma_wide"] = None
+            W._GPU_TILES = tuple(tiles[:tier]) + ((limit, tuned._replace(**swap)),) + \
+                tuple(tiles[tier + 1:])
+            forward, tma = kernel.startswith("fwd"), "_tma" in kernel
             fn = (lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="triton", tma=tma)) \
                 if forward else \
                 (lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale,

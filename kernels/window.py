@@ -187,8 +187,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
                      T, TK, H, G, W, qk_scale, scale,
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PRECISION: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr):
+                     PRECISION: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
+                     KEYS_AS_ROWS: tl.constexpr):
     """dK, dV of one key tile, summed over all G query heads of its group (no atomics).
+    KEYS_AS_ROWS: the scores are kept transposed, [keys, rows], so P^T and dS^T feed the dV and
+    dK dots from registers and Q / dO stay in shared memory; as [rows, keys] P and dS go through
+    shared memory to be transposed, twice a step, but a step holds fewer registers
+    (`TileConfig.keys_as_rows` says which tiles measured faster which way).
     TMA: Q/dO row tiles come through the descriptors QD, DOD, one box the BLOCK_M // G tokens
     x G heads of a tile (`_row_descriptors`: G divides BLOCK_M, and tiles start at whole
     tokens); without, QD and DOD go unread. Fixed length (VARLEN false) places queries at
@@ -235,18 +240,30 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
         lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
 
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
         # the band mask only where a row is padding or does not see the whole key tile
         whole_lo, whole_hi = _whole_span(r0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N,
                                          VARLEN)
-        if (r0 + BLOCK_M > T * G) | (n0 < whole_lo) | (n0 >= whole_hi):
-            band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
-                (cols[None, :] <= kpos[:, None])
-            p = tl.where(band, p, 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        edge = (r0 + BLOCK_M > T * G) | (n0 < whole_lo) | (n0 >= whole_hi)
+        if KEYS_AS_ROWS:
+            pt = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+                         - lse[None, :])
+            if edge:
+                band = ok[None, :] & (cols[:, None] >= first[None, :]) & \
+                    (cols[:, None] <= kpos[None, :])
+                pt = tl.where(band, pt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+            dst = pt * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
+        else:
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                        - lse[:, None])
+            if edge:
+                band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
+                    (cols[None, :] <= kpos[:, None])
+                p = tl.where(band, p, 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
 
     tl.store(DKP + _offsets(b, cols, kvh, sdkb, sdkt, sdkh, dk_r),
              (dk * scale).to(DKP.dtype.element_ty), mask=k_mask)
@@ -329,6 +346,8 @@ class TileConfig:
     block_n: int  # keys per inner step / per program of the dK dV kernel
     num_warps: int
     num_stages: int
+    # the dK dV kernel only: its scores as [keys, rows] (`_bwd_dkdv_kernel`'s KEYS_AS_ROWS)
+    keys_as_rows: bool = False
 
 
 class Tiles(NamedTuple):
@@ -340,6 +359,8 @@ class Tiles(NamedTuple):
     fwd_tma: Optional[TileConfig] = None
     dq_tma: Optional[TileConfig] = None
     dkdv_tma: Optional[TileConfig] = None
+    # the dK dV kernel with TMA where G >= WIDE_GROUP; None: dkdv_tma there too
+    dkdv_tma_wide: Optional[TileConfig] = None
     # the dK dV kernel for fp32 rows on a GPU, pointer loads; None: the 16-bit tiles above
     dkdv_fp32: Optional[TileConfig] = None
 
@@ -370,10 +391,13 @@ class Tiles(NamedTuple):
 _GPU_TILES = (
     (128, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 3), dq_tma=TileConfig(128, 32, 4, 3),
-                dkdv_tma=TileConfig(64, 64, 4, 3))),
+                dkdv_tma=TileConfig(64, 64, 4, 3),
+                dkdv_tma_wide=TileConfig(64, 64, 4, 3, keys_as_rows=True))),
     (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3),
-                dkdv_tma=TileConfig(64, 64, 4, 3), dkdv_fp32=TileConfig(32, 64, 4, 2))),
+                dkdv_tma=TileConfig(64, 64, 4, 3),
+                dkdv_tma_wide=TileConfig(64, 128, 8, 3, keys_as_rows=True),
+                dkdv_fp32=TileConfig(32, 64, 4, 2))),
     (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
                 dkdv_fp32=TileConfig(32, 32, 4, 1))),
     (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
@@ -386,14 +410,30 @@ _GPU_TILES = (
 # 64 (64, 64, 4, 2) 134.4, (32, 64, 4, 2) 20.4, (32, 32, 4, 2) 20.5, (32, 32, 4, 1) 21.5, four
 # others 21.8-31.4. No dQ tile beat the routed one by 1% at either (eight tiles each) and the
 # forward's fp32 D = 128 tile measured 11.3 ms against 11.2-21.2 for eight others: both stay.
+# The dK dV kernel's transposed form (`TileConfig.keys_as_rows`) with TMA loads pays from G = 16
+# on, where a row tile holds 4 tokens or fewer. H100, bf16, whole backward, against the [rows,
+# keys] form at (64, 64, 4, 3), two interleaved rounds: D = 128 at 64k (64, 128, 8, 3) 10.33 ms
+# against 10.55-10.74, (32, 128, 8, 3) 10.93-11.03, (64, 64, 4, 3) 10.97-11.05, (64, 128, 8, 2)
+# 11.21, (128, 128, 8, 2) 31.8; D = 64 at 64k (64, 64, 4, 3) 6.03-6.07 against 6.28-6.45, (64,
+# 128, 8, 3) 6.89-6.92. Every transposed tile loses with fewer heads: G = 8, D = 128, 16k / 64k
+# 1.83-2.37 / 6.94-8.93 against 1.40-1.45 / 5.58-6.16; G = 4 0.93-2.28 against 0.70; D = 64, G =
+# 8 / 4, 1.17-1.46 / 0.61-0.75 against 0.83-0.84 / 0.45. Routed, three rounds each: G = 16, D =
+# 128, 64k 10.44-11.25 against 10.83-12.51 (two jobs), 16k 2.64-2.89 against 2.72-2.89; D = 64,
+# 64k 6.20-6.52 against 6.35-7.53; G = 32, D = 128, 16k 5.24-5.77 against 5.30-6.02 but 64k
+# 22.56-23.17 against 21.48-21.89; D = 64, 16k 3.06-3.45 against 3.19-3.77; G = 64, D = 128, 16k
+# 10.43-10.78 against 10.70-11.89: one loss in six, taken for the spec's G = 16. 512-byte rows
+# keep the [rows, keys] form: transposed at (32, 128, 8, 2), Dk = 192 / Dv = 128 took 5.22 ms
+# against 6.40 at 16k, but D = 256 10.55 against 3.93 at 8k.
+WIDE_GROUP = 16
 # The CPU interpreter's cost grows with the number of tiles; these still leave several tiles
 # (and skipped ones) in the small test shapes.
 _INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
 
 
 def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> Optional[TileConfig]:
-    """The TileConfig of kernel "fwd", "dkdv", "dq", "fwd_tma", "dq_tma", "dkdv_tma" or
-    "dkdv_fp32" for rows of row_bytes (None: a TMA or fp32 kernel unmeasured there)."""
+    """The TileConfig of kernel "fwd", "dkdv", "dq", "fwd_tma", "dq_tma", "dkdv_tma",
+    "dkdv_tma_wide" or "dkdv_fp32" for rows of row_bytes (None: a TMA, wide-group or fp32 kernel
+    unmeasured there)."""
     if not on_gpu:
         return _INTERPRETER_TILES
     tiles = next(t for limit, t in _GPU_TILES if row_bytes <= limit)
@@ -408,6 +448,20 @@ def _fp32_dkdv_tile(q: Tensor, width: int) -> Optional[TileConfig]:
     return _tile_config("dkdv_fp32", width, True)
 
 
+def _routed_tile(kernel: str, q: Tensor, k: Tensor, v: Tensor) -> Optional[TileConfig]:
+    """The TileConfig kernel "fwd", "dq" or "dkdv", "_tma" appended where it reads through TMA,
+    launches with (None: TMA tiles unmeasured for these rows): the tier's, but the dK dV kernel's
+    own tiles for fp32 rows on a GPU and, with TMA, for groups of WIDE_GROUP heads or more, where
+    the tier has them."""
+    width = row_bytes(q.dtype, k.shape[3], v.shape[3])
+    own = None
+    if kernel == "dkdv":
+        own = _fp32_dkdv_tile(q, width)
+    elif kernel == "dkdv_tma" and q.shape[2] // k.shape[2] >= WIDE_GROUP:
+        own = _tile_config("dkdv_tma_wide", width, q.is_cuda)
+    return own or _tile_config(kernel, width, q.is_cuda)
+
+
 def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor, do: Optional[Tensor] = None
                 ) -> Optional[str]:
     """Why kernel "fwd" or "dq" cannot read K/V, or "dkdv" Q/dO (do given), through TMA
@@ -415,7 +469,7 @@ def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor, do: Optional[Tenso
     width = row_bytes(q.dtype, k.shape[3], v.shape[3])
     if kernel == "dkdv" and _fp32_dkdv_tile(q, width) is not None:
         return f"fp32 {width}-byte rows take the dkdv_fp32 tile, measured with pointer loads"
-    tiles = _tile_config(f"{kernel}_tma", width, q.is_cuda)
+    tiles = _routed_tile(f"{kernel}_tma", q, k, v)
     if tiles is None:
         return f"no {kernel} TMA tiles measured for {width}-byte rows"
     if kernel != "dkdv":
@@ -442,7 +496,7 @@ def _operands(kernel: str, tma: Optional[bool], q: Tensor, k: Tensor, v: Tensor,
     or "dkdv" (QD, DOD): TMA descriptors where `_tma_loads` picks them, else the tensors
     themselves (unread)."""
     tma = _tma_loads(kernel, tma, q, k, v, do)
-    meta = _kernel_meta(q, k.shape[3], v.shape[3], f"{kernel}_tma" if tma else kernel)
+    meta = _kernel_meta(q, k, v, f"{kernel}_tma" if tma else kernel)
     if kernel == "dkdv":
         return meta, _row_descriptors(q, do, k.shape[2], meta) if tma else (q, do), tma
     kv = tma_descriptors(k, v, meta["BLOCK_N"], meta["BLOCK_DK"], meta["BLOCK_DV"]) if tma \
@@ -459,16 +513,18 @@ def _row_descriptors(q: Tensor, do: Tensor, H: int, meta: dict) -> tuple:
             TensorDescriptor.from_tensor(do, box + [meta["BLOCK_DV"]]))
 
 
-def _kernel_meta(q: Tensor, dk: int, dv: int, kernel: str) -> dict:
+def _kernel_meta(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> dict:
+    dk, dv = k.shape[3], v.shape[3]
     block_dk = pow2(dk, 16)
     block_dv = pow2(dv, 16)
-    width = row_bytes(q.dtype, dk, dv)
-    cfg = _fp32_dkdv_tile(q, width) if kernel == "dkdv" else None
-    cfg = cfg or _tile_config(kernel, width, q.is_cuda)
+    cfg = _routed_tile(kernel, q, k, v)
     precision = dot_precision(q.dtype)
-    return dict(DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
+    meta = dict(DK=dk, DV=dv, BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, PRECISION=precision, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
+    if kernel.startswith("dkdv"):
+        meta["KEYS_AS_ROWS"] = cfg.keys_as_rows
+    return meta
 
 
 def _strides(*xs: Tensor) -> list[int]:

@@ -12,6 +12,7 @@ GPU (-m gpu): every backend that serves the inputs, in fp16/bf16, vs a float32 r
 ||out - ref|| / ||ref|| < 1e-2 (bf16: 2e-2) for o, lse, dq, dk, dv; the backends vs each other;
 Triton in fp32 vs a float64 reference (< 1e-5, i.e. no tf32); routing of Dk != Dv to Triton.
 """
+import dataclasses
 import itertools
 
 import pytest
@@ -125,6 +126,46 @@ def test_triton_fp32_dkdv_tiles(width, monkeypatch, poisoned_empty):
     assert tile is not None
     monkeypatch.setattr(win, "_fp32_dkdv_tile", lambda q, row_bytes: tile)
     _compare_cpu(1, 150, 16, 16, 16, 70, torch.float32, seed=width)
+
+
+def test_triton_gpu_tiles_wide_group(monkeypatch, poisoned_empty):
+    """With TMA and G >= WIDE_GROUP the dK dV kernel takes its tier's wide-group tile, in the
+    transposed form; run by the interpreter at that tile."""
+    real = win._tile_config
+    monkeypatch.setattr(win, "_tile_config",
+                        lambda kernel, row_bytes, on_gpu: real(kernel, row_bytes, True))
+    G = win.WIDE_GROUP
+    q, k, v, do, dlse = _inputs(1, 40, 1, G, 16, 16, torch.float32, seed=11)
+    assert win._routed_tile("dkdv_tma", q, k, v).keys_as_rows
+    assert not win._routed_tile("dkdv_tma", q[:, :, :G // 2], k, v).keys_as_rows
+    scale = 16 ** -0.5
+    o, lse = win.sliding_window_fwd(q, k, v, 24, scale, backend="triton")
+    grads = win.sliding_window_bwd(q, k, v, o, lse, do, dlse, 24, scale, backend="triton",
+                                   tma=True)
+    _check_close((o, lse, *grads), _reference(q, k, v, do, dlse, 24, scale, None, torch.float64),
+                 torch.float32)
+
+
+@pytest.mark.parametrize("B,Tq,Tk,G,w,lengths,tma", [
+    (2, 37, 37, 2, 8, None, False),  # the last key and row tiles run past the end
+    (1, 30, 70, 4, 20, None, True),  # queries at an offset, Q/dO through TMA
+    (1, 100, 100, 2, 40, (13, 1, 36, 50), True),  # windows stop at sequence boundaries
+    (2, 80, 80, 2, 40, None, False),  # interior tiles skip the band mask
+])
+def test_triton_dkdv_keys_as_rows(B, Tq, Tk, G, w, lengths, tma, monkeypatch, poisoned_empty):
+    """The dK dV kernel's transposed form (scores as [keys, rows]), which GPU tiles take where
+    `TileConfig.keys_as_rows` says, at the interpreter's tile."""
+    tile = dataclasses.replace(win._INTERPRETER_TILES, keys_as_rows=True)
+    monkeypatch.setattr(win, "_INTERPRETER_TILES", tile)
+    q, k, v, do, dlse = _inputs(B, Tk, H, G, 16, 32, torch.float32, seed=Tk + G)
+    q, do, dlse = q[:, Tk - Tq:], do[:, Tk - Tq:], dlse[:, Tk - Tq:]
+    cu = None if lengths is None else torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    scale = 16 ** -0.5
+    o, lse = win.sliding_window_fwd(q, k, v, w, scale, cu, backend="triton")
+    grads = win.sliding_window_bwd(q, k, v, o, lse, do, dlse, w, scale, cu, backend="triton",
+                                   tma=tma)
+    _check_close((o, lse, *grads), _reference(q, k, v, do, dlse, w, scale, cu, torch.float64),
+                 torch.float32)
 
 
 @pytest.mark.parametrize("B,Tq,Tk,G,Dk,Dv,w,lengths", [
