@@ -404,3 +404,36 @@ def test_selection_kernels_gpu_varlen(dtype, T):
     lens = torch.tensor([T // 8, T // 2 - 77, T - T // 8 - (T // 2 - 77)])
     cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32).cuda()
     run_gpu_case(1, T, 4, 16, 128, 128, dtype, cu_seqlens)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_index_stream(monkeypatch):
+    """The inverse index built on the side stream while dq runs: gradients bitwise those of the
+    one-stream backward (deterministic mode: ordered dK dV adds), eagerly and replayed from a
+    CUDA graph, whose capture forks and joins the side stream."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        q, k, v = make_qkv(1, 4096, 4, 16, 128, 128, torch.bfloat16, device="cuda")
+        scale = 128 ** -0.5
+        block_idx = spec_block_idx(q, k, 64, 16, scale)
+        o, lse = selection_attention_fwd(q, k, v, block_idx, 64, scale)
+        do = torch.randn_like(o)
+        bwd = lambda: selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, 64, scale)
+        with monkeypatch.context() as one_stream:
+            one_stream.setattr(sel_kernels, "_index_stream", lambda device: None)
+            want = bwd()
+        got = bwd()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            bwd()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = bwd()
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b, c in zip(("dq", "dk", "dv"), want, got, replayed):
+        assert torch.equal(a, b) and torch.equal(a, c), name
