@@ -421,7 +421,12 @@ _GPU_TILES = (
 # 128, 64k 10.44-11.25 against 10.83-12.51 (two jobs), 16k 2.64-2.89 against 2.72-2.89; D = 64,
 # 64k 6.20-6.52 against 6.35-7.53; G = 32, D = 128, 16k 5.24-5.77 against 5.30-6.02 but 64k
 # 22.56-23.17 against 21.48-21.89; D = 64, 16k 3.06-3.45 against 3.19-3.77; G = 64, D = 128, 16k
-# 10.43-10.78 against 10.70-11.89: one loss in six, taken for the spec's G = 16. 512-byte rows
+# 10.43-10.78 against 10.70-11.89: one loss in six, taken for the spec's G = 16. Other tiles at
+# G = 16, 64k, two rounds against the routed one: D = 128 (64, 128, 8, 4) 10.58-10.67 against
+# 10.52-10.58, (32, 128, 8, 4) 11.39-13.33, (32, 128, 8, 2) 13.70-14.46, (128, 64, 8, 2)
+# 15.20-17.89, (64, 64, 8, 3) 15.28-18.20, (128, 64, 8, 3) over shared memory, and the [rows,
+# keys] form at (64, 128, 8, 3) 17.77-19.33; D = 64 (64, 64, 4, 4) 6.31-6.37 against 6.13-6.16,
+# (32, 64, 4, 3) 6.37-6.38, (128, 64, 4, 3) 6.47-6.49, (64, 128, 8, 4) 6.91-6.95. 512-byte rows
 # keep the [rows, keys] form: transposed at (32, 128, 8, 2), Dk = 192 / Dv = 128 took 5.22 ms
 # against 6.40 at 16k, but D = 256 10.55 against 3.93 at 8k.
 WIDE_GROUP = 16
