@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
+from torch._subclasses.fake_tensor import is_fake
 
 
 def traced() -> bool:
@@ -38,8 +39,10 @@ def unit_last_stride(x: Tensor) -> Tensor:
 
 def tma_layout(x: Tensor) -> bool:
     """Whether a TMA descriptor can describe x: unit last stride, the other strides non-zero
-    multiples of 16 bytes, a 16-byte aligned start (cuTensorMapEncodeTiled's rules)."""
-    if x.stride(-1) != 1 or x.data_ptr() % 16:
+    multiples of 16 bytes, a 16-byte aligned start (cuTensorMapEncodeTiled's rules). A tensor
+    without an address (fake or functional, as AOTInductor traces the ops) has no start to
+    check: no, and its launch keeps pointer loads."""
+    if x.stride(-1) != 1 or is_fake(x) or x.data_ptr() % 16:
         return False
     return all(s > 0 and s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
 

@@ -150,6 +150,22 @@ AOTI_CONFIGS = {
 }
 
 
+def test_tma_choice_reads_no_address_of_traced_tensors():
+    """While AOTInductor traces the CUDA ops, their tensors are fake or functional: asking
+    whether TMA can describe them must not read their address (a functional tensor raises; that
+    failed every package export on an H100), and their launches keep pointer loads."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from nsa_ops.kernels import selection, utils, window
+    with FakeTensorMode(), FunctionalTensorMode():
+        q = torch.empty(1, 64, 8, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.empty(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        assert not utils.tma_layout(k)
+        assert not window._tma_loads("fwd", None, q, k, v)
+        assert not window._tma_loads("dkdv", None, q, k, v, q)
+        assert not selection._tma_loads(None, k, v, 64, 32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(AOTI_CONFIGS))
 def test_gpu_aoti_package_runs_without_nsa_ops(name, tmp_path):
