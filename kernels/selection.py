@@ -35,7 +35,6 @@ Under torch.use_deterministic_algorithms(True) the chunks of a block add in chun
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import NamedTuple, Optional, Sequence
@@ -1152,7 +1151,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     ordered_adds = torch.are_deterministic_algorithms_enabled()
     if side is not None:
         side.wait_event(fork)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+    with torch.cuda.stream(side):  # no-op for None: the current stream
         ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, queries_per_chunk,
                                                token_major=not ordered_adds)
     if side is not None:
