@@ -711,11 +711,10 @@ class _Cfg(NamedTuple):
     num_stages: int
 
 
-# (query rows, key rows, warps, stages) per kernel and tier, the tier being the padded head-row
-# size in bytes (_tier). Tiers 0 and 1 cover fp16/bf16 head dims <= 128 and <= 256 and compile for
-# sm_90 without register spills. fp32 (ieee dots: a correctness path, not tuned) lands a tier
-# higher; tier 2 only keeps it within shared memory. Query rows are TOK * G_PAD: TOK shrinks as G
-# grows. Tier 1, H100, bf16, HQ=64, H=4, l=32, d=16, T=16k, ms at Dk=192, Dv=128 / at D=256:
+# (query rows, key rows, warps, stages) per kernel and tier (_tier): tiers 0 / 1 / 2 by the padded
+# head-row size in bytes, FP32_TIER for fp32 rows. Tiers 0 and 1 cover fp16/bf16 head dims <= 128
+# and <= 256 and compile for sm_90 without register spills; tier 2 only keeps wider rows within
+# shared memory. Query rows are TOK * G_PAD: TOK shrinks as G grows. Tier 1, H100, bf16, HQ=64, H=4, l=32, d=16, T=16k, ms at Dk=192, Dv=128 / at D=256:
 # forward (128, 64, 8, 2) 1.16 / 1.47 against (128, 32, 8, 2) 1.41 / 1.71 (timed at D=256 in a
 # later run, the two interleaved: 1.15 / 1.47 against 1.41 / 1.71; (128, 64, 8, 3): 1.10 at
 # Dk=192, over sm_90's shared memory at D=256), 2.25 / 3.21 for the (64, 32, 8, 3) before and
@@ -723,10 +722,21 @@ class _Cfg(NamedTuple):
 # dK dV (64, 64, 8, 2) 6.22 / 9.05 against 13.07 / 16.38 for the (32, 64, 8, 3), (32, 32, 8, 3)
 # before and 6.0-9.6 / 9.0-16.9 for eight other pairs, of which dq (128, 64, 8, 2) asked 256 KB of
 # shared memory at D=256 (over sm_90's 227: tests/test_sm90_shared_memory.py).
+# fp32 rows of up to 512 bytes (D <= 128; wider ones take tier 2) have tiles of their own: their
+# dots run on CUDA cores (ieee precision), and the 16-bit tiles of their byte tier spill 57-91 KB
+# a thread at D = 128 and 3-82 KB at D = 64 (ptxas for sm_90a, Triton 3.9, CPU machine), against
+# 1.6-4.8 KB and 0-0.5 KB for these. H100, T = 8k, D = 128, HQ = 64, H = 4, l = 32, d = 16, one
+# `.gpu`-style sweep, ms: forward (32, 32, 4, 1) 8.40 against 103.5 at the tier-1 tile, (32, 32, 4,
+# 2) 9.41, (64, 32, 8, 2) 9.58, (16, 32, 4, 2) 12.7 and 77.8-98.2 for three others; the backward
+# 283.9 at the tier-1 tiles, 157.0 with dq alone at (32, 32, 4, 2) ((64, 32, 8, 2) 157.1, (32, 32,
+# 4, 1) 159.2, four others 168.5-259.7) and 159.5 with dK dV alone at (32, 32, 4, 1) ((32, 32, 4,
+# 2) 160.7, (64, 32, 8, 2) 162.0, four others 163.7-174.7). Both together were not timed (the two
+# kernels run one after the other: about 33 ms), nor was D = 64.
+FP32_TIER = 3
 _TILES = {
-    "fwd": ((128, 64, 8, 3), (128, 64, 8, 2), (32, 32, 8, 3)),
-    "dq": ((128, 64, 8, 3), (128, 64, 8, 1), (32, 32, 8, 3)),
-    "dkdv": ((64, 128, 8, 2), (64, 64, 8, 2), (32, 16, 8, 3)),
+    "fwd": ((128, 64, 8, 3), (128, 64, 8, 2), (32, 32, 8, 3), (32, 32, 4, 1)),
+    "dq": ((128, 64, 8, 3), (128, 64, 8, 1), (32, 32, 8, 3), (32, 32, 4, 2)),
+    "dkdv": ((64, 128, 8, 2), (64, 64, 8, 2), (32, 16, 8, 3), (32, 32, 4, 1)),
 }
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
@@ -740,10 +750,16 @@ _TILES = {
 # blocks per step, whose pipelined keys leave shared memory for two programs (99 KB each, 64
 # blocks: 166 KB): H100 64k 10.36 -> 9.22 ms (64 blocks capped: 11.22; l=d=l'=64 4.78 -> 4.21),
 # spilling 16 bytes then (bench/results/README.md); 56 bytes of spill stores at `0ebfd40` and at the
-# kernel before it (Triton 3.6, ptxas for sm_90, 64k).
+# kernel before it (Triton 3.6, ptxas for sm_90, 64k). fp32 rows (FP32_TIER), H100, T = 8k, D =
+# 128, spec geometry, one sweep: (32, 16, 8, 4, 1, None) 5.49 ms against 40.0 at the tier-1 tile,
+# (64, 32, 8, 8, 1, 128) 25.6, five others 38.8-53.8; 5 of the 524288 indices differ from the
+# tier-1 tile's (fp32 dots summed in another order round otherwise, and near-ties flip). Its one-
+# load step (l = d = l') is untimed; ptxas (as above): no spills at D = 64 and 128 against 364-1040
+# bytes for the tiles fp32 rows took before.
 _SELECT_TILES = (((64, 64, 8, 4, 2, 128), (128, 32, 8, 8, 2, 128)),
                  ((64, 32, 1, 8, 1, None), (64, 32, 1, 8, 1, None)),
-                 ((32, 16, 1, 8, 1, None), (32, 16, 1, 8, 1, None)))
+                 ((32, 16, 1, 8, 1, None), (32, 16, 1, 8, 1, None)),
+                 ((32, 16, 8, 4, 1, None), (32, 16, 8, 4, 1, None)))
 # Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16).
 # Backward ms at l=32, d=16 / l=d=64 with the other kernel at its old (64, 64, 8, 3): dq
 # (128, 64, 8, 3) 49.5 / 14.9 vs (64, 64, 8, 3) 62.5 / 18.6 and 5 others 51.3-68.6 / 15.2-19.3;
@@ -753,8 +769,11 @@ _SELECT_TILES = (((64, 64, 8, 4, 2, 128), (128, 32, 8, 8, 2, 128)),
 
 
 def _tier(dtype: torch.dtype, *dims: int) -> int:
-    """0 / 1 / 2 for padded head rows of <= 256 / <= 512 / more bytes."""
+    """The row of _TILES and _SELECT_TILES: FP32_TIER for fp32 head rows of <= 512 bytes (padded),
+    else 0 / 1 / 2 for rows of <= 256 / <= 512 / more bytes."""
     width = row_bytes(dtype, *dims)
+    if dtype == torch.float32 and width <= 512:
+        return FP32_TIER
     return 0 if width <= 256 else 1 if width <= 512 else 2
 
 

@@ -242,7 +242,8 @@ def test_select_blocks_merges_several_tiles(monkeypatch, merge, l, d, sel):
     runs into the next selection block, and what it owes there carries from tile to tile, across
     merges too (R = l'/d = 2, 4, 8, the wide dot's three forms); with l > l' the tiles recompute
     it. G = 3 pads each token's heads to 4 rows."""
-    monkeypatch.setattr(kc, "_SELECT_TILES", (((32, 16, merge, 4, 1, None),) * 2,) * 3)
+    monkeypatch.setattr(kc, "_SELECT_TILES",
+                        (((32, 16, merge, 4, 1, None),) * 2,) * len(kc._SELECT_TILES))
     blocks = 16 * merge + 8
     q, k, v = make_inputs(1, blocks * sel - 4, 1, 3, 16, 16, l, d, torch.float32, seed=7)
     lse = ref.compressed_attention(q, k, v, l, d, q.shape[-1] ** -0.5, None)[1]
@@ -275,8 +276,10 @@ def test_small_tiles(monkeypatch, cu_list, nsplit, ordered):
     monkeypatch.setattr(kc, "_dkdv_splits", lambda *args: nsplit)
     if ordered:
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4, 1),) * 3 for name in kc._TILES})
-    monkeypatch.setattr(kc, "_SELECT_TILES", (((64, 16, 1, 4, 1, None),) * 2,) * 3)
+    monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4, 1),) * len(tiles)
+                                       for name, tiles in kc._TILES.items()})
+    monkeypatch.setattr(kc, "_SELECT_TILES",
+                        (((64, 16, 1, 4, 1, None),) * 2,) * len(kc._SELECT_TILES))
     T = 200 if cu_list is None else cu_list[-1]
     H, G, Dk, Dv, l, d, sel, n = 1, 2, 32, 16, 16, 8, 8, 5
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=_device())
@@ -344,6 +347,18 @@ def test_gpu_varlen(H, G, Dk, Dv, dtype):
     check_gpu(q, k, v, cu, dtype)
 
 
+def test_fp32_rows_take_their_own_tiles():
+    """fp32 dots run on CUDA cores, where the 16-bit tiles of the same row bytes spilled tens of
+    KB a thread (12x slower forward at D = 128 on an H100): fp32 rows up to 512 bytes take
+    FP32_TIER, wider ones tier 2; 16-bit rows stay on their byte tiers."""
+    assert kc._tier(torch.float32, 64) == kc._tier(torch.float32, 128, 96) == kc.FP32_TIER
+    assert kc._tier(torch.float32, 192) == kc._tier(torch.float32, 256) == 2
+    assert [kc._tier(dt, 128) for dt in (torch.float16, torch.bfloat16)] == [0, 0]
+    assert [kc._tier(torch.bfloat16, dk, dv) for dk, dv in ((192, 128), (256, 256))] == [1, 1]
+    assert all(len(tiles) == kc.FP32_TIER + 1 for tiles in kc._TILES.values())
+    assert len(kc._SELECT_TILES) == kc.FP32_TIER + 1
+
+
 @pytest.mark.parametrize("num_sel", [33, 64, 128, 512])
 def test_select_blocks_wide_top_n_keeps_the_tables_step(num_sel):
     """A top-n wider than the table's SB keeps its step where the pending scores of one merge
@@ -366,7 +381,8 @@ def test_select_blocks_wide_top_n_keeps_the_tables_step(num_sel):
 def test_select_blocks_top_n_wider_than_a_step(monkeypatch):
     """n = 20 (padded 32) over steps of 16 blocks merged 2 at a time: each merge ranks exactly
     the padded n pending scores (the GPU's n = 64 on 32-block steps, scaled down)."""
-    monkeypatch.setattr(kc, "_SELECT_TILES", (((64, 16, 2, 4, 1, None),) * 2,) * 3)
+    monkeypatch.setattr(kc, "_SELECT_TILES",
+                        (((64, 16, 2, 4, 1, None),) * 2,) * len(kc._SELECT_TILES))
     assert kc._select_cfg(2, 0, 20, 38, 2)[2:4] == (16, 2)
     # 600 tokens: 38 blocks of l' = 16 for the last query, 3 steps of 16
     q, k, v = make_inputs(1, 600, 1, 2, 16, 16, 16, 8, torch.float32, seed=9)
