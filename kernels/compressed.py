@@ -714,7 +714,8 @@ class _Cfg(NamedTuple):
 # (query rows, key rows, warps, stages) per kernel and tier (_tier): tiers 0 / 1 / 2 by the padded
 # head-row size in bytes, FP32_TIER for fp32 rows. Tiers 0 and 1 cover fp16/bf16 head dims <= 128
 # and <= 256 and compile for sm_90 without register spills; tier 2 only keeps wider rows within
-# shared memory. Query rows are TOK * G_PAD: TOK shrinks as G grows. Tier 1, H100, bf16, HQ=64, H=4, l=32, d=16, T=16k, ms at Dk=192, Dv=128 / at D=256:
+# shared memory. Query rows are TOK * G_PAD: TOK shrinks as G grows. Tier 1, H100, bf16, HQ=64,
+# H=4, l=32, d=16, T=16k, ms at Dk=192, Dv=128 / at D=256:
 # forward (128, 64, 8, 2) 1.16 / 1.47 against (128, 32, 8, 2) 1.41 / 1.71 (timed at D=256 in a
 # later run, the two interleaved: 1.15 / 1.47 against 1.41 / 1.71; (128, 64, 8, 3): 1.10 at
 # Dk=192, over sm_90's shared memory at D=256), 2.25 / 3.21 for the (64, 32, 8, 3) before and
