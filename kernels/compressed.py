@@ -22,8 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import (dot_precision, launch, launch_options, pow2, row_bytes,
-                                   unit_last_stride)
+from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, launch_options, pow2,
+                                   row_bytes, unit_last_stride)
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
 LOG2E = 1.4426950408889634
@@ -773,7 +773,7 @@ def _tier(dtype: torch.dtype, *dims: int) -> int:
     """The row of _TILES and _SELECT_TILES: FP32_TIER for fp32 head rows of <= 512 bytes (padded),
     else 0 / 1 / 2 for rows of <= 256 / <= 512 / more bytes."""
     width = row_bytes(dtype, *dims)
-    if dtype == torch.float32 and width <= 512:
+    if cuda_core_dots(dtype) and width <= 512:
         return FP32_TIER
     return 0 if width <= 256 else 1 if width <= 512 else 2
 

@@ -99,6 +99,12 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def cuda_core_dots(dtype: torch.dtype) -> bool:
+    """Whether tl.dot runs this dtype's tiles on CUDA cores (`dot_precision` ieee): the tiles sized
+    for 16-bit rows of the same bytes spill there, so such rows take tiles of their own."""
+    return dot_precision(dtype) == "ieee"
+
+
 def launch(kernel):
     """`kernel`, or its torch.library.wrap_triton form while a torch dispatch mode traces the op
     (AOTInductor decomposes the ops into their kernels, nsa_ops.ops): the launch then becomes a

@@ -32,8 +32,9 @@ from torch import Tensor
 from nsa_ops import routing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nsa_ops.kernels.utils import (dot_precision, launch, pow2, row_bytes, tma_descriptors,
-                                   tma_kv_reason, tma_layout, unit_last_stride, use_tma)
+from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, pow2, row_bytes,
+                                   tma_descriptors, tma_kv_reason, tma_layout, unit_last_stride,
+                                   use_tma)
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -448,7 +449,7 @@ def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> Optional[TileConf
 def _fp32_dkdv_tile(q: Tensor, width: int) -> Optional[TileConfig]:
     """The dK dV tile of fp32 rows of `width` bytes on a GPU, where their tier has one (pointer
     loads); None: the tier's own tiles."""
-    if q.dtype != torch.float32 or not q.is_cuda:
+    if not cuda_core_dots(q.dtype) or not q.is_cuda:
         return None
     return _tile_config("dkdv_fp32", width, True)
 
