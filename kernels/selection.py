@@ -45,8 +45,8 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
-from nsa_ops.kernels.utils import (dot_precision, launch, pow2, tma_descriptors, tma_kv_reason,
-                                   traced, unit_last_stride, use_tma)
+from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, pow2, tma_descriptors,
+                                   tma_kv_reason, traced, unit_last_stride, use_tma)
 from nsa_ops.reference import query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -378,16 +378,37 @@ def _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC: tl.constex
 # capped (maxnreg 160 / 168 / 176, so that more programs share an SM) or 32-key tiles at (1, 2):
 # whole backward at 64k 34.4-35.2 / 34.5-35.3 / 35.3-36.2 / 34.2-35.2 ms against 34.9-35.8 for
 # the pick, four interleaved rounds on an H100 (`ba542f5`): within the spread, the pick stays.
+# fp32 inputs ("fwd_fp32", "dq_fp32"): tl.dot runs their ieee dots on CUDA cores, and the
+# 16-bit picks spill there (ptxas, sm_90a: dq at (2, 2) 22.8 KB a thread, at (4, 2) none). H100,
+# fp32, spec geometry, D = 128, T = 8k, both without the shared passes (`_cuda_core_default`):
+# forward at (2, 2) 21.0 ms against 22.3 at (2, 3), 32.7-42.2 at (1, 2), (4, 1), (4, 2), (4, 3);
+# whole backward with dq at (4, 2) 94.9 ms against 474.4 at (2, 2) and 125.8 at (8, 2) (32-key
+# tiles 93.1-125.4, 16-key 98.6-128.6).
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
 TMA_CONFIGS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 3))
-_PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2)}
+_PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2),
+                   "fwd_fp32": (2, 2), "dq_fp32": (4, 2)}
 
 
-def _per_token_launch(kernel: str) -> dict:
+def _per_token_launch(kernel: str, dtype: torch.dtype) -> dict:
     """Launch config of the eager forward ("fwd", "fwd_tma": with TMA loads) or dq ("dq")
-    kernel."""
-    num_warps, num_stages = _PER_TOKEN_PICK[kernel]
+    kernel for inputs of this dtype (fp32 has picks of its own where `_PER_TOKEN_PICK` lists
+    them)."""
+    own = f"{kernel}_fp32"
+    pick = own if cuda_core_dots(dtype) and own in _PER_TOKEN_PICK else kernel
+    num_warps, num_stages = _PER_TOKEN_PICK[pick]
     return dict(num_warps=num_warps, num_stages=num_stages)
+
+
+def _cuda_core_default(choice: Optional[bool], dtype: torch.dtype) -> Optional[bool]:
+    """choice, or False where the caller left it to us (None) and tl.dot runs this dtype on CUDA
+    cores (fp32): there the forward's walk reads K/V faster through pointers, and the shared
+    passes' 64-row tiles spill (ptxas, sm_90a: dq's 35.3 KB a thread). H100, fp32, spec
+    geometry, D = 128, T = 8k: forward with pointer loads 21.0 ms against 29.2-41.8 through TMA
+    at TMA_CONFIGS' (1, 3), (2, 2), (2, 3), (4, 2) and 138-373 with the shared pass as well;
+    whole backward on runs of 64 tokens selecting alike 94.4 ms without dq's shared pass against
+    136.8-575.9 with it. Forced (True), both still run: the CPU tests check them in fp32."""
+    return False if choice is None and cuda_core_dots(dtype) else choice
 
 
 def _tma_reason(k: Tensor, v: Tensor, sel_block: int, bn: int) -> Optional[str]:
@@ -760,9 +781,10 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync
 
     chunks[pid] = (first entry, end entry, b * H + h, first token of the block), int64; entries
     ent_tok[e0:e1] are the query tokens, ascending (-1: a repeat, skipped), ent_pos[e0:e1] the
-    key positions they sit at (T queries over TK keys). Rows of a [BM, *] tile are (query, head) pairs. ORDERED (the
-    deterministic mode, kernels/ordered.py): a 1-D grid of tickets, chunk-major, and the chunks of
-    one block add into dk/dv in chunk order instead of atomically.
+    key positions they sit at (T queries over TK keys). Rows of a [BM, *] tile are (query, head)
+    pairs. ORDERED (the deterministic mode, kernels/ordered.py): a 1-D grid of tickets,
+    chunk-major, and the chunks of one block add into dk/dv in chunk order instead of
+    atomically.
     """
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
@@ -868,14 +890,17 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     halve BN. Narrow 16-bit heads: measured on an H100 at T=64k, bf16, D=128, G=16, l'=64, BN=64
     (kernel alone, .gpu-style sweep): BM=32 with (warps, stages) (4, 2) 15.30 ms, (4, 3) 15.90,
     (4, 4) 15.89, capped at 232 registers 16.41, (8, 3) 35.0, (2, 3) 65.3; BM=64 (4, 3) 17.57;
-    BM=16 19.8-20.7. Wide heads and fp32 keep the configs sized from ptxas reports (no
-    spills), (8, 2) and (4, 2); they are unmeasured at scale.
+    BM=16 19.8-20.7. fp32 (dots on CUDA cores), whole backward at T=8k, D=128, without dq's
+    shared pass: (32, 32, 4, 2) 94.3 ms against (64, 32, 8, 2) 97.5, 113.8-118.6 for (16, 32,
+    4, 2), (32, 16, 4, 2), (16, 16, 2, 2), (32, 32, 8, 2), and 631.7-775.7 for BM=64. Wide
+    heads keep the configs sized from ptxas reports (no spills), (8, 2) and fp32's (4, 2),
+    unmeasured at scale.
     """
-    narrow = dkp + dvp <= 256 and dtype != torch.float32
-    if narrow:
+    cuda_cores = cuda_core_dots(dtype)
+    if dkp + dvp <= 256 and not cuda_cores:
         return _key_tile(sel_block, 64), max(32, gp2), 4, 2
-    bm = max(64 if dtype != torch.float32 else 32, gp2)
-    return _key_tile(sel_block, 32), bm, (8 if dtype != torch.float32 else 4), 2
+    bm = max(32 if cuda_cores else 64, gp2)
+    return _key_tile(sel_block, 32), bm, (4 if cuda_cores else 8), 2
 
 
 def _strides(x: Tensor) -> tuple[int, int, int]:
@@ -1039,8 +1064,9 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype)
-    tma = _tma_loads(tma, k, v, sel_block, constants["BN"])
-    group = _shared_pass(shared, _shared_reason(queries.varlen, HQ // H, constants["BN"], tma),
+    tma = _tma_loads(_cuda_core_default(tma, q.dtype), k, v, sel_block, constants["BN"])
+    group = _shared_pass(_cuda_core_default(shared, q.dtype),
+                         _shared_reason(queries.varlen, HQ // H, constants["BN"], tma),
                          HQ // H, constants["BN"])
     qk_scale = scale * math.log2(math.e)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
@@ -1058,7 +1084,7 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     launch(_fwd_kernel)[(T, B * H)](
         q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides,
         T, n, qk_scale, IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
-        **_per_token_launch("fwd_tma" if tma else "fwd"))
+        **_per_token_launch("fwd_tma" if tma else "fwd", q.dtype))
     return o, lse
 
 
@@ -1116,7 +1142,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     side = _index_stream(q.device) if q.is_cuda and not traced() else None
     fork = torch.cuda.current_stream(q.device).record_event() if side is not None else None
     bn = _key_tile_size("dq", sel_block, dkp, dvp)
-    group = _shared_pass(shared, _shared_reason(queries.varlen, G, bn), G, bn)
+    group = _shared_pass(_cuda_core_default(shared, q.dtype),
+                         _shared_reason(queries.varlen, G, bn), G, bn)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
                *_strides(dq))
     constants = dict(H=H, G=G, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, NP=pow2(n),
@@ -1143,7 +1170,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq,
         *(adds + [dq] * (2 - len(adds))), rows, *queries.kernel_args(bidx), *strides,
         T, n, scale, qk_scale, GP=pow2(G, 16), IS_VARLEN=queries.varlen, ADDS=len(adds),
-        TT=group, **constants, **_per_token_launch("dq"))
+        TT=group, **constants, **_per_token_launch("dq", q.dtype))
 
     gp2 = pow2(G)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)

@@ -258,6 +258,37 @@ def test_selection_shared_pass_refuses():
                                 shared=True)
 
 
+class LaunchSpy:
+    """Stands in for a Triton kernel, counting its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("dtype,shared,launched", [
+    (torch.float16, None, True), (torch.float32, None, False), (torch.float32, True, True)])
+def test_fp32_leaves_shared_passes_out_unless_forced(dtype, shared, launched, monkeypatch):
+    """fp32 dots run on CUDA cores, where the shared passes' 64-row tiles spill (backward 94 ms
+    without dq's, 137-576 with it, H100, T = 8k): left to us (None), fp32 runs no shared pass
+    and no TMA loads; forced, they run; 16-bit inputs keep them; the launch picks are fp32's."""
+    spy = LaunchSpy(sel_kernels._shared_dq_kernel)
+    monkeypatch.setattr(sel_kernels, "_shared_dq_kernel", spy)
+    q, k, v = make_qkv(1, 40, 1, 2, 16, 16, dtype)
+    block_idx = random_block_idx(1, 40, 1, 2, 16)
+    o, lse = selection_attention_fwd(q, k, v, block_idx, 16, 0.25, tma=shared, shared=shared)
+    selection_attention_bwd(q, k, v, o, lse, o, None, block_idx, 16, 0.25, shared=shared)
+    assert (spy.launches == 1) == launched
+    cuda_cores = dtype == torch.float32
+    assert (sel_kernels._cuda_core_default(None, dtype) is False) == cuda_cores
+    for kernel in ("fwd", "dq"):
+        pick = sel_kernels._PER_TOKEN_PICK[f"{kernel}_fp32" if cuda_cores else kernel]
+        assert tuple(sel_kernels._per_token_launch(kernel, dtype).values()) == pick
+
+
 @pytest.mark.parametrize("tma,shared", [(False, False), (True, True)])
 def test_selection_fwd_writes_given_buffers(tma, shared):
     """out=(o, lse) (the compiled forward hands Inductor's buffers): every element written, o
