@@ -383,7 +383,8 @@ def _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC: tl.constex
 # fp32, spec geometry, D = 128, T = 8k, both without the shared passes (`_cuda_core_default`):
 # forward at (2, 2) 21.0 ms against 22.3 at (2, 3), 32.7-42.2 at (1, 2), (4, 1), (4, 2), (4, 3);
 # whole backward with dq at (4, 2) 94.9 ms against 474.4 at (2, 2) and 125.8 at (8, 2) (32-key
-# tiles 93.1-125.4, 16-key 98.6-128.6).
+# tiles 93.1-125.4, 16-key 98.6-128.6). D = 256: forward at (2, 2) 52.8 ms against 75.6-80.0 at
+# (4, 2), (8, 2), though ptxas reports 16 KB spilled a thread there and none at (8, 2).
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
 TMA_CONFIGS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 3))
 _PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2),
@@ -890,17 +891,19 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     halve BN. Narrow 16-bit heads: measured on an H100 at T=64k, bf16, D=128, G=16, l'=64, BN=64
     (kernel alone, .gpu-style sweep): BM=32 with (warps, stages) (4, 2) 15.30 ms, (4, 3) 15.90,
     (4, 4) 15.89, capped at 232 registers 16.41, (8, 3) 35.0, (2, 3) 65.3; BM=64 (4, 3) 17.57;
-    BM=16 19.8-20.7. fp32 (dots on CUDA cores), whole backward at T=8k, D=128, without dq's
-    shared pass: (32, 32, 4, 2) 94.3 ms against (64, 32, 8, 2) 97.5, 113.8-118.6 for (16, 32,
-    4, 2), (32, 16, 4, 2), (16, 16, 2, 2), (32, 32, 8, 2), and 631.7-775.7 for BM=64. Wide
-    heads keep the configs sized from ptxas reports (no spills), (8, 2) and fp32's (4, 2),
-    unmeasured at scale.
+    BM=16 19.8-20.7. fp32 (dots on CUDA cores), whole backward at T=8k, without dq's shared
+    pass: D=128 (32, 32, 4, 2) 94.3 ms against (64, 32, 8, 2) 97.5, 113.8-118.6 for (16, 32,
+    4, 2), (32, 16, 4, 2), (16, 16, 2, 2), (32, 32, 8, 2), and 631.7-775.7 for BM=64; D=256
+    (32, 16, 8, 2) 298.8 against (16, 16, 4, 2) 297.3, (16, 32, 8, 2) 300.4 and (32, 32, 4, 2)
+    442.1 (31 KB spilled a thread). Wide 16-bit heads keep the config sized from ptxas reports
+    (no spills), (8, 2), unmeasured at scale.
     """
-    cuda_cores = cuda_core_dots(dtype)
-    if dkp + dvp <= 256 and not cuda_cores:
+    narrow = dkp + dvp <= 256
+    if cuda_core_dots(dtype):
+        return _key_tile(sel_block, 32), max(32 if narrow else 16, gp2), 4 if narrow else 8, 2
+    if narrow:
         return _key_tile(sel_block, 64), max(32, gp2), 4, 2
-    bm = max(32 if cuda_cores else 64, gp2)
-    return _key_tile(sel_block, 32), bm, (4 if cuda_cores else 8), 2
+    return _key_tile(sel_block, 32), max(64, gp2), 8, 2
 
 
 def _strides(x: Tensor) -> tuple[int, int, int]:
