@@ -1,7 +1,7 @@
 """Sweep the launch configs of the selection forward and dq kernels at one shape; prints median ms.
 
     python bench/tune_selection.py [--seqlen 65536] [--kernels fwd_tma dq]
-        [--key-tiles 32 64] [geometry flags | --config FILE.yaml]
+        [--key-tiles 32 64] [--dtype float32] [geometry flags | --config FILE.yaml]
 
 Used to pick `_PER_TOKEN_PICK` in kernels/selection.py among `PER_TOKEN_CONFIGS` (pointer loads)
 and `TMA_CONFIGS` (the forward's TMA loads, sm90+), the key tiles of `_key_tile_size`
@@ -9,10 +9,12 @@ and `TMA_CONFIGS` (the forward's TMA loads, sm90+), the key tiles of `_key_tile_
 `SHARED_CONFIGS` at 64 and 128 `SHARED_ROWS` (the forward's shared pass, sm90+) (bf16, the
 selection bench_kernels.py times, at the geometry of bench/geometry.py, by default the spec's). The
 backward is timed whole (dq, then dk/dv at its fixed config), so dq rows differ by the dq kernel
-alone.
+alone. --dtype float32 sweeps fp32's own picks (`fwd_fp32`, `dq_fp32`; the rest as in bf16), with
+the shared passes off as fp32 runs them (`_cuda_core_default`), so there is no shared sweep.
 """
 import contextlib
 
+import torch
 import triton.testing
 
 import geometry
@@ -41,9 +43,11 @@ def main():
     p.add_argument("--seqlen", type=int, default=65536)
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=KERNELS)
     p.add_argument("--key-tiles", nargs="+", type=int, default=[None])
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args, geo = geometry.parse(p)
     T, lp = args.seqlen, geo.sel_block
-    q, k, v, do = spec_inputs(geo, args.batch, T)
+    fp32 = args.dtype == "float32"
+    q, k, v, do = (x.to(getattr(torch, args.dtype)) for x in spec_inputs(geo, args.batch, T))
     idx = random_selection(T, geo.num_sel, lp, geo.num_kv_heads, args.batch, "cuda")
     scale = geo.scale
     o, lse = S.selection_attention_fwd(q, k, v, idx, lp, scale)
@@ -61,11 +65,12 @@ def main():
         for keys in args.key_tiles:
             with key_tile(kernel, keys):
                 for cfg in configs:
-                    S._PER_TOKEN_PICK = {**picked, kernel: cfg}
+                    own = f"{kernel}_fp32" if fp32 and f"{kernel}_fp32" in picked else kernel
+                    S._PER_TOKEN_PICK = {**picked, own: cfg}
                     print(f"T={T} {kernel} keys={keys or 'own'} (num_warps, num_stages)={cfg}: "
                           f"{bench(fn):.2f} ms", flush=True)
         S._PER_TOKEN_PICK = picked
-    if "shared" not in args.kernels:
+    if "shared" not in args.kernels or fp32:
         return
     print(f"T={T} fwd_tma without the shared pass: {bench(fwd_unshared):.2f} ms", flush=True)
     for rows in (64, 128):
