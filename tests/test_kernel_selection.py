@@ -113,6 +113,9 @@ CASES = [
     (1, 60, 1, 2, 16, 16, 24, 3, torch.float32, "set", True, ""),
     (1, 70, 1, 2, 16, 24, 48, 3, torch.float32, "random", True, "chunks"),
     (1, 100, 1, 2, 16, 16, 96, 2, torch.float32, "set", False, ""),
+    # wide heads (padded Dk + Dv > 256): dK dV's wide configs, dq's 32-key tiles
+    (1, 40, 1, 2, 144, 136, 32, 2, torch.float32, "random", True, "chunks"),
+    (1, 40, 1, 2, 160, 112, 16, 3, torch.float16, "spec", False, ""),
 ]
 
 
