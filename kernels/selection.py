@@ -1052,10 +1052,11 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
                             out: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
     """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32; rows that see nothing: o = 0, lse = -inf.
     k/v may be longer than q: queries sit at the end of their keys (cu_seqlens_k for varlen).
-    tma: read K/V through TMA descriptors (None: where `_tma_loads` allows; the CPU tests force
-    it under the Triton interpreter). shared: run the shared pass first (`_shared_fwd_kernel`;
-    None: where `_shared_pass` allows). out: (o, lse) buffers to write and return instead of new
-    ones (Inductor's, when the compiled forward picks this kernel)."""
+    tma: read K/V through TMA descriptors (None: where `_tma_loads` allows, never for fp32, see
+    `_cuda_core_default`; the CPU tests force it under the Triton interpreter). shared: run the
+    shared pass first (`_shared_fwd_kernel`; None: where `_shared_pass` allows, never for fp32).
+    out: (o, lse) buffers to write and return instead of new ones (Inductor's, when the compiled
+    forward picks this kernel)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1111,8 +1112,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None. dq_add: up
     to two gradients shaped like q that dq comes back summed with (the layer's other branches'
     dq), added in fp32 in the dq kernel's epilogue: no pass of their own. shared: run dq's
-    shared pass first (`_shared_dq_kernel`; None: where `_shared_reason` allows), which hands
-    the walk its share of dq rounded to dq's dtype."""
+    shared pass first (`_shared_dq_kernel`; None: where `_shared_reason` allows, never for fp32,
+    see `_cuda_core_default`), which hands the walk its share of dq rounded to dq's dtype."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
