@@ -65,8 +65,7 @@ def main():
         for keys in args.key_tiles:
             with key_tile(kernel, keys):
                 for cfg in configs:
-                    own = f"{kernel}_fp32" if fp32 and f"{kernel}_fp32" in picked else kernel
-                    S._PER_TOKEN_PICK = {**picked, own: cfg}
+                    S._PER_TOKEN_PICK = {**picked, S._pick_name(kernel, q.dtype): cfg}
                     print(f"T={T} {kernel} keys={keys or 'own'} (num_warps, num_stages)={cfg}: "
                           f"{bench(fn):.2f} ms", flush=True)
         S._PER_TOKEN_PICK = picked

@@ -391,13 +391,16 @@ _PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2),
                    "fwd_fp32": (2, 2), "dq_fp32": (4, 2)}
 
 
-def _per_token_launch(kernel: str, dtype: torch.dtype) -> dict:
-    """Launch config of the eager forward ("fwd", "fwd_tma": with TMA loads) or dq ("dq")
-    kernel for inputs of this dtype (fp32 has picks of its own where `_PER_TOKEN_PICK` lists
-    them)."""
+def _pick_name(kernel: str, dtype: torch.dtype) -> str:
+    """The `_PER_TOKEN_PICK` entry of the forward ("fwd", "fwd_tma": with TMA loads) or dq ("dq")
+    kernel for inputs of this dtype: fp32's own where the table lists one."""
     own = f"{kernel}_fp32"
-    pick = own if cuda_core_dots(dtype) and own in _PER_TOKEN_PICK else kernel
-    num_warps, num_stages = _PER_TOKEN_PICK[pick]
+    return own if cuda_core_dots(dtype) and own in _PER_TOKEN_PICK else kernel
+
+
+def _per_token_launch(kernel: str, dtype: torch.dtype) -> dict:
+    """Launch config of the eager forward or dq kernel (`_pick_name`)."""
+    num_warps, num_stages = _PER_TOKEN_PICK[_pick_name(kernel, dtype)]
     return dict(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -422,8 +425,9 @@ def _tma_reason(k: Tensor, v: Tensor, sel_block: int, bn: int) -> Optional[str]:
 
 def _tma_loads(tma: Optional[bool], k: Tensor, v: Tensor, sel_block: int, bn: int) -> bool:
     """Whether the per-token kernels read K/V tiles through TMA descriptors (`utils.use_tma`:
-    None where `_tma_reason` allows on sm90+, in eager launches; True forces them)."""
-    return use_tma(tma, _tma_reason(k, v, sel_block, bn), k)
+    None where `_tma_reason` allows on sm90+, in eager launches, never for fp32
+    (`_cuda_core_default`); True forces them)."""
+    return use_tma(_cuda_core_default(tma, k.dtype), _tma_reason(k, v, sel_block, bn), k)
 
 
 # The shared pass (`_shared_fwd_kernel`): query rows per tile (queries of a group x the group's
@@ -456,9 +460,12 @@ def _shared_reason(varlen: bool, G: int, bn: int, tma: bool = True) -> Optional[
     return None
 
 
-def _shared_pass(shared: Optional[bool], reason: Optional[str], G: int, bn: int) -> int:
+def _shared_pass(shared: Optional[bool], reason: Optional[str], G: int, bn: int,
+                 dtype: torch.dtype) -> int:
     """Queries per group of a shared pass, 0 without it. None: wherever it can run
-    (`_shared_reason`); True forces it (ValueError where it cannot), False leaves it out."""
+    (`_shared_reason`), never for fp32 (`_cuda_core_default`); True forces it (ValueError where
+    it cannot), False leaves it out."""
+    shared = _cuda_core_default(shared, dtype)
     if shared and reason is not None:
         raise ValueError(f"shared=True: {reason}")
     return _shared_group(G, bn) if shared is not False and reason is None else 0
@@ -1052,11 +1059,11 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
                             out: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor]:
     """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32; rows that see nothing: o = 0, lse = -inf.
     k/v may be longer than q: queries sit at the end of their keys (cu_seqlens_k for varlen).
-    tma: read K/V through TMA descriptors (None: where `_tma_loads` allows, never for fp32, see
-    `_cuda_core_default`; the CPU tests force it under the Triton interpreter). shared: run the
-    shared pass first (`_shared_fwd_kernel`; None: where `_shared_pass` allows, never for fp32).
-    out: (o, lse) buffers to write and return instead of new ones (Inductor's, when the compiled
-    forward picks this kernel)."""
+    tma: read K/V through TMA descriptors (None: where `_tma_loads` allows, never for fp32; the
+    CPU tests force it under the Triton interpreter). shared: run the shared pass first
+    (`_shared_fwd_kernel`; None: where `_shared_pass` allows, never for fp32). out: (o, lse)
+    buffers to write and return instead of new ones (Inductor's, when the compiled forward picks
+    this kernel)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1068,10 +1075,9 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype)
-    tma = _tma_loads(_cuda_core_default(tma, q.dtype), k, v, sel_block, constants["BN"])
-    group = _shared_pass(_cuda_core_default(shared, q.dtype),
-                         _shared_reason(queries.varlen, HQ // H, constants["BN"], tma),
-                         HQ // H, constants["BN"])
+    tma = _tma_loads(tma, k, v, sel_block, constants["BN"])
+    group = _shared_pass(shared, _shared_reason(queries.varlen, HQ // H, constants["BN"], tma),
+                         HQ // H, constants["BN"], q.dtype)
     qk_scale = scale * math.log2(math.e)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
     if group:
@@ -1112,8 +1118,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None. dq_add: up
     to two gradients shaped like q that dq comes back summed with (the layer's other branches'
     dq), added in fp32 in the dq kernel's epilogue: no pass of their own. shared: run dq's
-    shared pass first (`_shared_dq_kernel`; None: where `_shared_reason` allows, never for fp32,
-    see `_cuda_core_default`), which hands the walk its share of dq rounded to dq's dtype."""
+    shared pass first (`_shared_dq_kernel`; None: where `_shared_pass` allows, never for fp32),
+    which hands the walk its share of dq rounded to dq's dtype."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1146,8 +1152,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     side = _index_stream(q.device) if q.is_cuda and not traced() else None
     fork = torch.cuda.current_stream(q.device).record_event() if side is not None else None
     bn = _key_tile_size("dq", sel_block, dkp, dvp)
-    group = _shared_pass(_cuda_core_default(shared, q.dtype),
-                         _shared_reason(queries.varlen, G, bn), G, bn)
+    group = _shared_pass(shared, _shared_reason(queries.varlen, G, bn), G, bn, q.dtype)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
                *_strides(dq))
     constants = dict(H=H, G=G, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, NP=pow2(n),
