@@ -11,6 +11,8 @@ selection bench_kernels.py times, at the geometry of bench/geometry.py, by defau
 backward is timed whole (dq, then dk/dv at its fixed config), so dq rows differ by the dq kernel
 alone. --dtype float32 sweeps fp32's own picks (`fwd_fp32`, `dq_fp32`; the rest as in bf16), with
 the shared passes off as fp32 runs them (`_cuda_core_default`), so there is no shared sweep.
+Wide heads (padded Dk + Dv over 256, `_wide`) sweep their own picks where the table has one
+(`fwd_wide`).
 """
 import contextlib
 
@@ -19,6 +21,7 @@ import triton.testing
 
 import geometry
 from nsa_ops.kernels import selection as S
+from nsa_ops.kernels.utils import pow2
 from bench_kernels import random_selection, spec_inputs
 
 KERNELS = ("fwd", "fwd_tma", "dq", "shared")
@@ -26,11 +29,11 @@ KERNELS = ("fwd", "fwd_tma", "dq", "shared")
 
 @contextlib.contextmanager
 def key_tile(kernel: str, keys):
-    """`_key_tile_size` answers `keys` for this kernel's family (None: unchanged)."""
+    """`_key_tile_size` answers `keys` for this kernel ("fwd", "fwd_tma", "dq"; None:
+    unchanged)."""
     own = S._key_tile_size
-    family = kernel.split("_")[0]
     if keys is not None:
-        S._key_tile_size = lambda k, sel, dkp, dvp: (S._key_tile(sel, keys) if k == family
+        S._key_tile_size = lambda k, sel, dkp, dvp: (S._key_tile(sel, keys) if k == kernel
                                                      else own(k, sel, dkp, dvp))
     try:
         yield
@@ -50,6 +53,7 @@ def main():
     q, k, v, do = (x.to(getattr(torch, args.dtype)) for x in spec_inputs(geo, args.batch, T))
     idx = random_selection(T, geo.num_sel, lp, geo.num_kv_heads, args.batch, "cuda")
     scale = geo.scale
+    wide = S._wide(pow2(geo.head_dim_qk, 16), pow2(geo.head_dim_v, 16))
     o, lse = S.selection_attention_fwd(q, k, v, idx, lp, scale)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
     fwd = lambda tma: lambda: S.selection_attention_fwd(q, k, v, idx, lp, scale, tma=tma)
@@ -65,7 +69,7 @@ def main():
         for keys in args.key_tiles:
             with key_tile(kernel, keys):
                 for cfg in configs:
-                    S._PER_TOKEN_PICK = {**picked, S._pick_name(kernel, q.dtype): cfg}
+                    S._PER_TOKEN_PICK = {**picked, S._pick_name(kernel, q.dtype, wide): cfg}
                     print(f"T={T} {kernel} keys={keys or 'own'} (num_warps, num_stages)={cfg}: "
                           f"{bench(fn):.2f} ms", flush=True)
         S._PER_TOKEN_PICK = picked

@@ -385,22 +385,40 @@ def _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC: tl.constex
 # whole backward with dq at (4, 2) 94.9 ms against 474.4 at (2, 2) and 125.8 at (8, 2) (32-key
 # tiles 93.1-125.4, 16-key 98.6-128.6). D = 256: forward at (2, 2) 52.8 ms against 75.6-80.0 at
 # (4, 2), (8, 2), though ptxas reports 16 KB spilled a thread there and none at (8, 2).
+# Wide 16-bit heads ("_wide": padded Dk + Dv over 256), H100, bf16, T = 16k, random
+# selections, Dk = 192 with Dv = 128 (HQ = 64, H = 4) / D = 256 (HQ = 32, H = 2), whole forward
+# (the shared pass with the walk) and one sweep each (`.gpu`-style script on `e3216d1`): TMA
+# loads on 16-key tiles (`_key_tile_size`) at (1, 3) 6.58 / 4.00 ms against the 32-key (1, 3)
+# they had, 7.28 / 7.25; 16-key (1, 2) 6.90 / 3.98, (1, 4) 6.56 / 5.13, (2, *) 7.62-8.08 /
+# 4.62-4.76; 32-key (2, 2), (2, 3) 6.95-7.61 / 4.17-4.18, (1, 4) 9.55 / 8.89; 64-key 7.18-25.3 /
+# 4.87-28.1. Pointer loads (32-key tiles, no shared pass) at (2, 2) 6.21 / 4.22 against (2, 3)
+# 7.86 / 4.45 and (4, 3) 8.01 / 4.43. dq keeps its pick: at its key tiles (64 / 32), whole
+# backward 20.92 / 12.13 ms against the best of 18 configs 20.00 / 12.13.
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
 TMA_CONFIGS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 3))
 _PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2),
-                   "fwd_fp32": (2, 2), "dq_fp32": (4, 2)}
+                   "fwd_fp32": (2, 2), "dq_fp32": (4, 2), "fwd_wide": (2, 2)}
 
 
-def _pick_name(kernel: str, dtype: torch.dtype) -> str:
+def _wide(dkp: int, dvp: int) -> bool:
+    """Heads whose padded K and V rows hold over 256 values together: tiled apart from D <= 128."""
+    return dkp + dvp > 256
+
+
+def _pick_name(kernel: str, dtype: torch.dtype, wide: bool = False) -> str:
     """The `_PER_TOKEN_PICK` entry of the forward ("fwd", "fwd_tma": with TMA loads) or dq ("dq")
-    kernel for inputs of this dtype: fp32's own where the table lists one."""
-    own = f"{kernel}_fp32"
-    return own if cuda_core_dots(dtype) and own in _PER_TOKEN_PICK else kernel
+    kernel for inputs of this dtype and head width: fp32's own where the table lists one, else
+    wide heads' own where it lists one."""
+    for own in (f"{kernel}_fp32" if cuda_core_dots(dtype) else None,
+                f"{kernel}_wide" if wide else None):
+        if own in _PER_TOKEN_PICK:
+            return own
+    return kernel
 
 
-def _per_token_launch(kernel: str, dtype: torch.dtype) -> dict:
+def _per_token_launch(kernel: str, dtype: torch.dtype, wide: bool = False) -> dict:
     """Launch config of the eager forward or dq kernel (`_pick_name`)."""
-    num_warps, num_stages = _PER_TOKEN_PICK[_pick_name(kernel, dtype)]
+    num_warps, num_stages = _PER_TOKEN_PICK[_pick_name(kernel, dtype, wide)]
     return dict(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -885,9 +903,12 @@ def _key_tile(sel_block: int, cap: int) -> int:
 
 
 def _key_tile_size(kernel: str, sel_block: int, dkp: int, dvp: int) -> int:
-    """Keys per forward ("fwd") / dq ("dq") tile: 32 forward, up to 64 dq (32 for very wide
-    heads, to bound the K/V tiles); measured with `_PER_TOKEN_PICK`."""
-    return _key_tile(sel_block, 64 if kernel == "dq" and dkp + dvp <= 384 else 32)
+    """Keys per tile of the forward ("fwd": pointer loads, "fwd_tma": TMA loads) / dq ("dq"): 32
+    forward (16 through TMA for wide heads, `_wide`), up to 64 dq (32 for very wide heads, to
+    bound the K/V tiles); measured with `_PER_TOKEN_PICK`."""
+    if kernel == "dq":
+        return _key_tile(sel_block, 64 if dkp + dvp <= 384 else 32)
+    return _key_tile(sel_block, 16 if kernel == "fwd_tma" and _wide(dkp, dvp) else 32)
 
 
 def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: int
@@ -902,14 +923,22 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     pass: D=128 (32, 32, 4, 2) 94.3 ms against (64, 32, 8, 2) 97.5, 113.8-118.6 for (16, 32,
     4, 2), (32, 16, 4, 2), (16, 16, 2, 2), (32, 32, 8, 2), and 631.7-775.7 for BM=64; D=256
     (32, 16, 8, 2) 298.8 against (16, 16, 4, 2) 297.3, (16, 32, 8, 2) 300.4 and (32, 32, 4, 2)
-    442.1 (31 KB spilled a thread). Wide 16-bit heads keep the config sized from ptxas reports
-    (no spills), (8, 2), unmeasured at scale.
+    442.1 (31 KB spilled a thread). Wide 16-bit heads, whole backward at T=16k, G=16, random
+    selections, one sweep (H100, `e3216d1` with each config swapped in): Dk=192 with Dv=128
+    (64, 64, 8, 2) 15.50-15.71 ms, (64, 16, 4, 2) 15.08, (64, 64, 8, 3) 15.55, (64, 32, 4, 2)
+    16.34, (64, 32, 8, 2) 16.65, against 20.88-21.16 for the (32, 64, 8, 2) they had (sized from
+    ptxas reports) and 17.10-35.89 for ten others ((64, 128, 8, 2) asks too much shared
+    memory); D=256 (64, 32, 8, 2) 10.51, (64, 64, 8, 2) 11.21, (32, 32, 4, 2) 11.75, against
+    12.00 and 13.0-15.8 for six others. Heads wider still keep (32, 64, 8, 2), unmeasured.
     """
-    narrow = dkp + dvp <= 256
+    width = dkp + dvp
     if cuda_core_dots(dtype):
+        narrow = width <= 256
         return _key_tile(sel_block, 32), max(32 if narrow else 16, gp2), 4 if narrow else 8, 2
-    if narrow:
+    if width <= 256:
         return _key_tile(sel_block, 64), max(32, gp2), 4, 2
+    if width <= 512:
+        return _key_tile(sel_block, 64), max(64 if width <= 384 else 32, gp2), 8, 2
     return _key_tile(sel_block, 32), max(64, gp2), 8, 2
 
 
@@ -1074,8 +1103,9 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
-    constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype)
-    tma = _tma_loads(tma, k, v, sel_block, constants["BN"])
+    dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
+    tma = _tma_loads(tma, k, v, sel_block, _key_tile_size("fwd_tma", sel_block, dkp, dvp))
+    constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype, tma)
     group = _shared_pass(shared, _shared_reason(queries.varlen, HQ // H, constants["BN"], tma),
                          HQ // H, constants["BN"], q.dtype)
     qk_scale = scale * math.log2(math.e)
@@ -1094,18 +1124,19 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     launch(_fwd_kernel)[(T, B * H)](
         q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides,
         T, n, qk_scale, IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
-        **_per_token_launch("fwd_tma" if tma else "fwd", q.dtype))
+        **_per_token_launch("fwd_tma" if tma else "fwd", q.dtype, _wide(dkp, dvp)))
     return o, lse
 
 
 def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
-                      dtype: torch.dtype) -> dict:
-    """The constexpr arguments of `selection_fwd_rows` for these shapes (also used by the
-    Inductor template, so eager and compiled forwards tile alike)."""
+                      dtype: torch.dtype, tma: bool = False) -> dict:
+    """The constexpr arguments of `selection_fwd_rows` for these shapes and loads (tma: through
+    TMA descriptors; the Inductor template reads through pointers, as eager pointer loads do, so
+    the two tile alike)."""
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     return dict(H=H, G=HQ // H, GP=pow2(HQ // H, 16), DK=Dk, DV=Dv, DKP=dkp, DVP=dvp,
-                SEL=sel_block, BN=_key_tile_size("fwd", sel_block, dkp, dvp), NP=pow2(n),
-                PREC=dot_precision(dtype))
+                SEL=sel_block, NP=pow2(n), PREC=dot_precision(dtype),
+                BN=_key_tile_size("fwd_tma" if tma else "fwd", sel_block, dkp, dvp))
 
 
 def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,

@@ -168,8 +168,9 @@ def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, w
 
 # The forward's TMA loads (sm90+ GPUs pick them; the interpreter runs them when asked): whole
 # boxes, no row mask, the query's own partial tile from masked loads; the cases cover blocks of
-# several tiles (l' = 48, 96, 128), empty and repeated slots, strided views, varlen (below), fp16
-TMA_CASES = [CASES[i] for i in (1, 2, 4, 6, 9, 10)]
+# several tiles (l' = 48, 96, 128), empty and repeated slots, strided views, varlen (below), fp16,
+# wide heads (their 16-key tiles)
+TMA_CASES = [CASES[i] for i in (1, 2, 4, 6, 9, 10, 11, 12)]
 
 
 def test_selection_tma_refuses_partial_tiles():
@@ -192,7 +193,8 @@ def test_selection_kernels_tma(B, T, H, G, Dk, Dv, sel_block, n, dtype, selectio
 # the forced blocks), run > 0: random scores shared by runs of `run` queries (neighbouring queries
 # select alike, as in trained models; runs of 3 and 6 straddle the groups), then a fraction `drop`
 # of the rows' blocks (run = 0: of their forced blocks) dropped, so that groups share some blocks
-# and not others, and slots shuffled. G = 4 / 2 / 16 / 1 make groups of 16 / 32 / 4 / 16 queries.
+# and not others, and slots shuffled. G = 4 / 2 / 16 / 1 make groups of 16 / 32 / 4 / 16 queries;
+# the wide heads' 16-key walk tiles (padded Dk + Dv > 256) bound a group to 16 queries.
 SHARED_CASES = [
     (1, 97, 97, 1, 4, 32, 16, 16, 4, torch.float32, 0, 0.0),
     (2, 90, 61, 2, 2, 16, 16, 32, 3, torch.float16, 0, 0.3),
@@ -201,6 +203,7 @@ SHARED_CASES = [
     (1, 160, 160, 2, 16, 16, 16, 16, 5, torch.float32, 8, 0.0),
     (1, 150, 117, 1, 16, 32, 16, 16, 6, torch.float16, 6, 0.05),
     (2, 140, 140, 1, 4, 16, 16, 16, 4, torch.float32, 3, 0.02),
+    (1, 120, 90, 1, 2, 160, 112, 32, 3, torch.float16, 4, 0.05),
 ]
 
 
