@@ -741,8 +741,16 @@ _TILES = {
 }
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
-# merge, num_warps, num_stages, maxnreg). Tiers 1 and 2 are not tuned; one stage keeps their
-# unrolled key loads within shared memory. Merging every 8 steps (H100, bf16, D=128, G=16, ms at
+# merge, num_warps, num_stages, maxnreg). Tier 2 is not tuned; one stage keeps its unrolled key
+# loads within shared memory. Tier 1 (16-bit Dk of 129-256), H100, bf16, G = 16, one sweep each
+# (`.gpu`-style script on `8825260`), identical indices on every tile: several loads a step (l =
+# 32, d = 16, l' = 64) at Dk = 192 (HQ = 64, H = 4) / D = 256 (HQ = 32, H = 2), 16k: (128, 16, 8,
+# 8, 1, 128) 0.93 / 0.50 ms against 3.16-3.18 / 1.62-1.64 for the (64, 32, 1, 8, 1, None) it had
+# (a merge every step), (128, 16, 4 or 16, 8, 1, 128) 0.98-1.05 / 0.52-0.56, (64, 32, 8, 4, 1,
+# None) 1.10 / 0.60, and 1.17-3.16 / 0.60-1.63 for thirteen others; 64k 11.99 / 6.24 against
+# 42.84 / 21.93 (two others 13.62-13.95 / 7.16-7.28). One load a step (l = d = l' = 64, Dk =
+# 192), 16k / 64k: (128, 32, 8, 8, 1, 128) 0.48 / 4.93 against 1.07 / 13.79, (64, 32, 8, 4, 1,
+# None) 0.50 / 5.48, five others 0.58-0.99 / 6.67-9.47. Merging every 8 steps (H100, bf16, D=128, G=16, ms at
 # T = 8k / 64k / 128k; steps per merge 1 -> 8): l=d=l'=64 0.20 / 10.37 / 40.17 -> 0.20 / 4.68 /
 # 16.07; l=32, d=16, l'=64 0.32 / 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between
 # or worse). Sequences with fewer steps than that merge every step (_select_cfg). maxnreg 128
@@ -758,7 +766,7 @@ _TILES = {
 # load step (l = d = l') is untimed; ptxas (as above): no spills at D = 64 and 128 against 364-1040
 # bytes for the tiles fp32 rows took before.
 _SELECT_TILES = (((64, 64, 8, 4, 2, 128), (128, 32, 8, 8, 2, 128)),
-                 ((64, 32, 1, 8, 1, None), (64, 32, 1, 8, 1, None)),
+                 ((128, 32, 8, 8, 1, 128), (128, 16, 8, 8, 1, 128)),
                  ((32, 16, 1, 8, 1, None), (32, 16, 1, 8, 1, None)),
                  ((32, 16, 8, 4, 1, None), (32, 16, 8, 4, 1, None)))
 # Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16).

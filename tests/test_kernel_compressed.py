@@ -196,7 +196,13 @@ def test_select_blocks(case):
     check_selection(q, k, _cmp_lse(q, k, v, l, d, None), l, d, sel, n, None, exact=True, tol=1e-5)
 
 
-@pytest.mark.parametrize("case", SEL_CASES[:2], ids=SEL_IDS[:2])
+# 16-bit Dk of 129-256 take tier 1's select tiles (`kc._tier`): several key loads a step and one
+SEL_WIDE_CASES = [(1, 300, 1, 2, 160, 32, 16, 64, 5), (1, 260, 1, 4, 144, 32, 32, 32, 4)]
+
+
+@pytest.mark.parametrize("case", SEL_CASES[:2] + SEL_WIDE_CASES,
+                         ids=SEL_IDS[:2] + ["B{}-T{}-H{}-G{}-Dk{}-l{}-d{}-s{}-n{}".format(*c)
+                                            for c in SEL_WIDE_CASES])
 def test_select_blocks_fp16(case):
     B, T, H, G, Dk, l, d, sel, n = case
     q, k, v = make_inputs(B, T, H, G, Dk, 16, l, d, torch.float16, seed=3)
