@@ -482,11 +482,28 @@ def _reproducible(x: Inputs) -> Optional[str]:
     return None
 
 
-# head dims up to 128: the shapes measured
+def _cudnn_head_dims(x: Inputs) -> Optional[str]:
+    """The head dims measured: Dk = Dv <= 128, and Dk = 192 with Dv = 128 (DeepSeek's), where
+    cuDNN took 10.19 / 36.20 ms forward / backward at T = 64k against the Triton kernel's 14.02 /
+    81.11 (H100, bf16, HQ=64, H=4, l=32, d=16, cuDNN 9.19; outputs and gradients within 4e-3 of
+    each other, as at Dk = Dv = 128). Its Hopper backward mishandled some unequal large head
+    dims in cuDNN 9.11-9.12, fixed in 9.13 (cudnn-frontend v1.14.1's release notes)."""
+    dk, dv = x.head_dim_qk, x.head_dim_v
+    if dk == dv <= 128:
+        return None
+    if (dk, dv) != (192, 128):
+        return (f"cuDNN attention serves Dk = Dv <= 128 and Dk = 192 with Dv = 128 (the head "
+                f"dims measured), got Dk={dk}, Dv={dv}")
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if (version or 0) < 91300:
+        return (f"Dk={dk} != Dv={dv} needs cuDNN >= 9.13 (9.11-9.12's Hopper backward "
+                f"mishandled some unequal head dims; earlier versions unmeasured), got {version}")
+    return None
+
+
 _cudnn_compressed = _first(_needs_cuda, _no_offset, _not_capturing, _reproducible, _needs_triton,
                            _needs_sm80,
-                           _half_only("cuDNN attention"),
-                           _equal_head_dims("cuDNN attention"), _head_dims_upto(128),
+                           _half_only("cuDNN attention"), _cudnn_head_dims,
                            _head_dim_multiple_of_8("cuDNN attention"), _residue_views_fit,
                            _has_cudnn9)
 

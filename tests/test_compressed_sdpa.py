@@ -53,11 +53,12 @@ def test_decomposition_matches_reference(monkeypatch, B, T, HQ, H, l, d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("B,T,HQ,H,l,d,D", [
-    (1, 4096, 64, 4, 32, 16, 128), (2, 2048, 16, 1, 64, 64, 64), (1, 1024, 8, 8, 16, 8, 128),
-    (2, 1000, 16, 2, 32, 16, 128)])
-def test_cudnn_matches_reference(B, T, HQ, H, l, d, D, dtype):
-    q, k, v = qkv(B, T, HQ, H, D, D, dtype, seed=1, device="cuda")
+@pytest.mark.parametrize("B,T,HQ,H,l,d,D,Dv", [
+    (1, 4096, 64, 4, 32, 16, 128, 128), (2, 2048, 16, 1, 64, 64, 64, 64),
+    (1, 1024, 8, 8, 16, 8, 128, 128), (2, 1000, 16, 2, 32, 16, 128, 128),
+    (1, 4096, 32, 2, 32, 16, 192, 128)])
+def test_cudnn_matches_reference(B, T, HQ, H, l, d, D, Dv, dtype):
+    q, k, v = qkv(B, T, HQ, H, D, Dv, dtype, seed=1, device="cuda")
     k_cmp, v_cmp = R.compress_mean(k, l, d), R.compress_mean(v, l, d)
     scale = D ** -0.5
     o, lse = cs.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)

@@ -180,6 +180,26 @@ def test_compressed_attention_cudnn_rows(cudnn9, sm, T, geometry, varlen, dtype,
         assert why in dict(routing.explain("compressed_attention", x))["cudnn"]
 
 
+@pytest.mark.parametrize("dk,dv,version,impl,why", [
+    (192, 128, 91900, "cudnn", None),
+    (192, 128, 91200, "triton", "needs cuDNN >= 9.13"),
+    (192, 128, 91300, "cudnn", None),
+    (160, 96, 91900, "triton", "got Dk=160, Dv=96"),
+    (256, 256, 91900, "triton", "Dk = Dv <= 128 and Dk = 192 with Dv = 128"),
+    (128, 192, 91900, "triton", "got Dk=128, Dv=192"),
+    (64, 64, 90100, "cudnn", None),
+])
+def test_compressed_attention_cudnn_head_dims(monkeypatch, dk, dv, version, impl, why):
+    """cuDNN serves the head dims measured against the Triton kernel; unequal ones only from the
+    cuDNN version whose Hopper backward handles them."""
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: version)
+    x = Inputs("cuda", (9, 0), BF16, dk, dv, 65536, compressed=routing.CompressedGeometry(32, 16))
+    assert routing.choose("compressed_attention", x).impl == impl
+    if why:
+        assert why in dict(routing.explain("compressed_attention", x))["cudnn"]
+
+
 def test_compressed_attention_cudnn_needs_cudnn9(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8900)
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
