@@ -46,7 +46,8 @@ SEL_CASES = [
     (1, 90, 1, 2, 16, 32, 8, 16, 4),  # l > l': compressed blocks span several selection blocks
     (1, 300, 1, 2, 16, 32, 16, 48, 4),  # l'/d = 3 blocks per selection block: the loop
 ]
-SEL_IDS = ["B{}-T{}-H{}-G{}-Dk{}-l{}-d{}-s{}-n{}".format(*c) for c in SEL_CASES]
+_sel_id = "B{}-T{}-H{}-G{}-Dk{}-l{}-d{}-s{}-n{}".format
+SEL_IDS = [_sel_id(*c) for c in SEL_CASES]
 
 
 def _device():
@@ -201,8 +202,7 @@ SEL_WIDE_CASES = [(1, 300, 1, 2, 160, 32, 16, 64, 5), (1, 260, 1, 4, 144, 32, 32
 
 
 @pytest.mark.parametrize("case", SEL_CASES[:2] + SEL_WIDE_CASES,
-                         ids=SEL_IDS[:2] + ["B{}-T{}-H{}-G{}-Dk{}-l{}-d{}-s{}-n{}".format(*c)
-                                            for c in SEL_WIDE_CASES])
+                         ids=SEL_IDS[:2] + [_sel_id(*c) for c in SEL_WIDE_CASES])
 def test_select_blocks_fp16(case):
     B, T, H, G, Dk, l, d, sel, n = case
     q, k, v = make_inputs(B, T, H, G, Dk, 16, l, d, torch.float16, seed=3)
