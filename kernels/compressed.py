@@ -741,8 +741,13 @@ _TILES = {
 }
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
-# merge, num_warps, num_stages, maxnreg). Tier 2 is not tuned; one stage keeps its unrolled key
-# loads within shared memory. Tier 1 (16-bit Dk of 129-256), H100, bf16, G = 16, one sweep each
+# merge, num_warps, num_stages, maxnreg). Tier 2 serves fp32 Dk of 129-256 only (the Triton
+# rows refuse 16-bit Dk over 256); one stage keeps its unrolled key loads within shared memory.
+# Its fp32 dots bound it, not its merge every step: H100, T = 8k, one sweep of seven tiles
+# (`.gpu`-style script on `adbce76`), identical indices but for 3e-5 of the rows at Dk = 192 on
+# three tiles (near-ties summed in another order): D = 256 (HQ = 32, H = 2) 5.72 ms against 5.70 merging every 8 steps at (32, 16, 8, 8, 1,
+# None) and 5.90-125 for five others; Dk = 192 (HQ = 64, H = 4) 11.33 against 11.25 and
+# 11.76-251; one load a step (l = d = l' = 64, D = 256) 2.86 against 2.77-2.87 and 15.1. Tier 1 (16-bit Dk of 129-256), H100, bf16, G = 16, one sweep each
 # (`.gpu`-style script on `8825260`), identical indices on every tile: several loads a step (l =
 # 32, d = 16, l' = 64) at Dk = 192 (HQ = 64, H = 4) / D = 256 (HQ = 32, H = 2), 16k: (128, 16, 8,
 # 8, 1, 128) 0.93 / 0.50 ms against 3.16-3.18 / 1.62-1.64 for the (64, 32, 1, 8, 1, None) it had
