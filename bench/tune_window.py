@@ -1,4 +1,5 @@
-"""Sweep the Triton sliding-window kernel's tiles at one shape against FA-2; prints median ms.
+"""Sweep the Triton sliding-window kernel's tiles at one shape against FA-2 (where it serves);
+prints median ms.
 
     python bench/tune_window.py [--seqlen 65536] [--kernels fwd dq ...] [geometry flags |
                                 --config FILE.yaml]
@@ -46,11 +47,15 @@ def main():
     q, k, v, do = spec_inputs(geo, args.batch, T)
     scale = geo.scale
     bench = lambda fn: triton.testing.do_bench(fn, warmup=3, rep=100, return_mode="median")
-    o, lse = W.sliding_window_fwd(q, k, v, w, scale, backend="aten_fa2")
-    fa2 = (bench(lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="aten_fa2")),
-           bench(lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale,
-                                              backend="aten_fa2")))
-    print(f"T={T} w={w} aten_fa2: fwd {fa2[0]:.2f} ms, bwd {fa2[1]:.2f} ms", flush=True)
+    o, lse = W.sliding_window_fwd(q, k, v, w, scale)
+    refusal = W.backend_refusal("aten_fa2", q, v)
+    if refusal is None:
+        fa2 = (bench(lambda: W.sliding_window_fwd(q, k, v, w, scale, backend="aten_fa2")),
+               bench(lambda: W.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale,
+                                                  backend="aten_fa2")))
+        print(f"T={T} w={w} aten_fa2: fwd {fa2[0]:.2f} ms, bwd {fa2[1]:.2f} ms", flush=True)
+    else:
+        print(f"T={T} w={w} aten_fa2 refuses: {refusal}", flush=True)
     tiles = list(W._GPU_TILES)
     # bf16 rows of the widest head dim, padded to a power of two as the kernel's tiles are
     row_bytes = 2 * triton.next_power_of_2(max(geo.head_dim_qk, geo.head_dim_v))
