@@ -497,7 +497,8 @@ def _cudnn_head_dims(x: Inputs) -> Optional[str]:
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if (version or 0) < 91300:
         return (f"Dk={dk} != Dv={dv} needs cuDNN >= 9.13 (9.11-9.12's Hopper backward "
-                f"mishandled some unequal head dims; earlier versions unmeasured), got {version}")
+                f"mishandled some unequal head dims; earlier versions unmeasured), got "
+                f"{version or 'no cuDNN'}")
     return None
 
 
