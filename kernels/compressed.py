@@ -741,35 +741,39 @@ _TILES = {
 }
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
-# merge, num_warps, num_stages, maxnreg). Tier 2 serves fp32 Dk of 129-256 only (the Triton
-# rows refuse 16-bit Dk over 256); one stage keeps its unrolled key loads within shared memory.
-# Its fp32 dots bound it, not its merge every step: H100, T = 8k, one sweep of seven tiles
-# (`.gpu`-style script on `adbce76`), identical indices but for 3e-5 of the rows at Dk = 192 on
-# three tiles (near-ties summed in another order): D = 256 (HQ = 32, H = 2) 5.72 ms against 5.70 merging every 8 steps at (32, 16, 8, 8, 1,
+# merge, num_warps, num_stages, maxnreg).
+# Tier 0: merging every 8 steps (H100, bf16, D=128, G=16, ms at T = 8k / 64k / 128k; steps per
+# merge 1 -> 8): l=d=l'=64 0.20 / 10.37 / 40.17 -> 0.20 / 4.68 / 16.07; l=32, d=16, l'=64 0.32 /
+# 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between or worse). Sequences with fewer
+# steps than that merge every step (_select_cfg). maxnreg 128 lets two 8-warp programs share an
+# SM (one scores while the other waits on its keys); ptxas gave the uncapped tier-0 kernel 177
+# registers, so one per SM. At l=32, d=16 that pays with 32 blocks per step, whose pipelined keys
+# leave shared memory for two programs (99 KB each, 64 blocks: 166 KB): H100 64k 10.36 -> 9.22 ms
+# (64 blocks capped: 11.22; l=d=l'=64 4.78 -> 4.21), spilling 16 bytes then
+# (bench/results/README.md); 56 bytes of spill stores at `0ebfd40` and at the kernel before it
+# (Triton 3.6, ptxas for sm_90, 64k).
+# Tier 1 (16-bit Dk of 129-256), H100, bf16, G = 16, one sweep each (`.gpu`-style script on
+# `8825260`), identical indices on every tile: several loads a step (l = 32, d = 16, l' = 64) at
+# Dk = 192 (HQ = 64, H = 4) / D = 256 (HQ = 32, H = 2), 16k: (128, 16, 8, 8, 1, 128) 0.93 / 0.50
+# ms against 3.16-3.18 / 1.62-1.64 for the (64, 32, 1, 8, 1, None) it had (a merge every step),
+# (128, 16, 4 or 16, 8, 1, 128) 0.98-1.05 / 0.52-0.56, (64, 32, 8, 4, 1, None) 1.10 / 0.60, and
+# 1.17-3.16 / 0.60-1.63 for thirteen others; 64k 11.99 / 6.24 against 42.84 / 21.93 (two others
+# 13.62-13.95 / 7.16-7.28). One load a step (l = d = l' = 64, Dk = 192), 16k / 64k: (128, 32, 8,
+# 8, 1, 128) 0.48 / 4.93 against 1.07 / 13.79, (64, 32, 8, 4, 1, None) 0.50 / 5.48, five others
+# 0.58-0.99 / 6.67-9.47.
+# Tier 2 serves fp32 Dk of 129-256 only (the Triton rows refuse 16-bit Dk over 256); one stage
+# keeps its unrolled key loads within shared memory. Its fp32 dots bound it, not its merge every
+# step: H100, T = 8k, one sweep of seven tiles (`.gpu`-style script on `adbce76`), identical
+# indices but for 3e-5 of the rows at Dk = 192 on three tiles (near-ties summed in another
+# order): D = 256 (HQ = 32, H = 2) 5.72 ms against 5.70 merging every 8 steps at (32, 16, 8, 8, 1,
 # None) and 5.90-125 for five others; Dk = 192 (HQ = 64, H = 4) 11.33 against 11.25 and
-# 11.76-251; one load a step (l = d = l' = 64, D = 256) 2.86 against 2.77-2.87 and 15.1. Tier 1 (16-bit Dk of 129-256), H100, bf16, G = 16, one sweep each
-# (`.gpu`-style script on `8825260`), identical indices on every tile: several loads a step (l =
-# 32, d = 16, l' = 64) at Dk = 192 (HQ = 64, H = 4) / D = 256 (HQ = 32, H = 2), 16k: (128, 16, 8,
-# 8, 1, 128) 0.93 / 0.50 ms against 3.16-3.18 / 1.62-1.64 for the (64, 32, 1, 8, 1, None) it had
-# (a merge every step), (128, 16, 4 or 16, 8, 1, 128) 0.98-1.05 / 0.52-0.56, (64, 32, 8, 4, 1,
-# None) 1.10 / 0.60, and 1.17-3.16 / 0.60-1.63 for thirteen others; 64k 11.99 / 6.24 against
-# 42.84 / 21.93 (two others 13.62-13.95 / 7.16-7.28). One load a step (l = d = l' = 64, Dk =
-# 192), 16k / 64k: (128, 32, 8, 8, 1, 128) 0.48 / 4.93 against 1.07 / 13.79, (64, 32, 8, 4, 1,
-# None) 0.50 / 5.48, five others 0.58-0.99 / 6.67-9.47. Merging every 8 steps (H100, bf16, D=128, G=16, ms at
-# T = 8k / 64k / 128k; steps per merge 1 -> 8): l=d=l'=64 0.20 / 10.37 / 40.17 -> 0.20 / 4.68 /
-# 16.07; l=32, d=16, l'=64 0.32 / 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between
-# or worse). Sequences with fewer steps than that merge every step (_select_cfg). maxnreg 128
-# lets two 8-warp programs share an SM (one scores while the other waits on its keys); ptxas
-# gave the uncapped tier-0 kernel 177 registers, so one per SM. At l=32, d=16 that pays with 32
-# blocks per step, whose pipelined keys leave shared memory for two programs (99 KB each, 64
-# blocks: 166 KB): H100 64k 10.36 -> 9.22 ms (64 blocks capped: 11.22; l=d=l'=64 4.78 -> 4.21),
-# spilling 16 bytes then (bench/results/README.md); 56 bytes of spill stores at `0ebfd40` and at the
-# kernel before it (Triton 3.6, ptxas for sm_90, 64k). fp32 rows (FP32_TIER), H100, T = 8k, D =
-# 128, spec geometry, one sweep: (32, 16, 8, 4, 1, None) 5.49 ms against 40.0 at the tier-1 tile,
-# (64, 32, 8, 8, 1, 128) 25.6, five others 38.8-53.8; 5 of the 524288 indices differ from the
-# tier-1 tile's (fp32 dots summed in another order round otherwise, and near-ties flip). Its one-
-# load step (l = d = l') is untimed; ptxas (as above): no spills at D = 64 and 128 against 364-1040
-# bytes for the tiles fp32 rows took before.
+# 11.76-251; one load a step (l = d = l' = 64, D = 256) 2.86 against 2.77-2.87 and 15.1.
+# fp32 rows (FP32_TIER), H100, T = 8k, D = 128, spec geometry, one sweep: (32, 16, 8, 4, 1, None)
+# 5.49 ms against 40.0 at tier 1's tile of then, (64, 32, 1, 8, 1, None), (64, 32, 8, 8, 1, 128)
+# 25.6, five others 38.8-53.8; 5 of the 524288 indices differ from that tile's (fp32 dots summed
+# in another order round otherwise, and near-ties flip). Its one-load step (l = d = l') is
+# untimed; ptxas (as above): no spills at D = 64 and 128 against 364-1040 bytes for the tiles
+# fp32 rows took before.
 _SELECT_TILES = (((64, 64, 8, 4, 2, 128), (128, 32, 8, 8, 2, 128)),
                  ((128, 32, 8, 8, 1, 128), (128, 16, 8, 8, 1, 128)),
                  ((32, 16, 1, 8, 1, None), (32, 16, 1, 8, 1, None)),

@@ -931,11 +931,10 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     memory); D=256 (64, 32, 8, 2) 10.51, (64, 64, 8, 2) 11.21, (32, 32, 4, 2) 11.75, against
     12.00 and 13.0-15.8 for six others. Heads wider still keep (32, 64, 8, 2), unmeasured.
     """
-    width = dkp + dvp
+    wide, width = _wide(dkp, dvp), dkp + dvp
     if cuda_core_dots(dtype):
-        narrow = width <= 256
-        return _key_tile(sel_block, 32), max(32 if narrow else 16, gp2), 4 if narrow else 8, 2
-    if width <= 256:
+        return _key_tile(sel_block, 32), max(16 if wide else 32, gp2), 8 if wide else 4, 2
+    if not wide:
         return _key_tile(sel_block, 64), max(32, gp2), 4, 2
     if width <= 512:
         return _key_tile(sel_block, 64), max(64 if width <= 384 else 32, gp2), 8, 2
