@@ -739,6 +739,20 @@ _TILES = {
     "dq": ((128, 64, 8, 3), (128, 64, 8, 1), (32, 32, 8, 3), (32, 32, 4, 2)),
     "dkdv": ((64, 128, 8, 2), (64, 64, 8, 2), (32, 16, 8, 3), (32, 32, 4, 1)),
 }
+# Tier 0's forward and dq where the keys are few (at most SHORT_KEYS compressed rows: T <= 16k at
+# d = 16): each program walks a few key tiles, and smaller programs spread them over more SMs.
+# H200, bf16, D = 128, two interleaved rounds (`.gpu`-style script), ms, tier-0 tile -> this one:
+# forward (64, 32, 4, 3) at T = 8k, l = 32, d = 16: G = 16 0.327 -> 0.259, G = 64 (H = 1) 0.319
+# -> 0.258, G = 1 0.329 -> 0.268, G = 4 0.089 -> 0.087; l = d = 64: 8k 0.233 -> 0.148, 64k (1024
+# rows) 3.59 -> 3.48. The whole backward with dq at (64, 64, 4, 2): 8k 0.972 -> 0.929 (G = 16),
+# 1.031 -> 0.977 (G = 64), 1.155 -> 1.115 (G = 1), 0.303 -> 0.294 (G = 4); l = d = 64 0.551 ->
+# 0.499 at 8k, 11.70 -> 11.51 at 64k. H100 at 16k (G = 16): forward 0.908 -> 0.875, backward 3.02
+# -> 2.98. Past that they lose: 64k, l = 32, d = 16 (4095 rows), G = 16 forward 10.42 against
+# 11.66-12.04, backward 38.23 against 38.85-39.08 with dq at (64, 64, 4, 2); G = 4 2.58 against
+# 3.21, 9.86 against 9.97. The dK dV tile stays: nine tiles x four split counts at 8k and 16k
+# (H100) read 0.99-2.30 / 2.87-8.22 ms against 1.01 / 3.01 for the tier's.
+SHORT_KEYS = 1024
+_SHORT_TILES = {"fwd": (64, 32, 4, 3), "dq": (64, 64, 4, 2)}
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
 # merge, num_warps, num_stages, maxnreg).
@@ -801,8 +815,11 @@ def _rows_cfg(G: int, rows: int) -> tuple[int, int]:
     return max(1, rows // g_pad), g_pad
 
 
-def _attn_cfg(kind: str, G: int, tier: int) -> _Cfg:
-    rows, block_n, num_warps, num_stages = _TILES[kind][tier]
+def _attn_cfg(kind: str, G: int, tier: int, NC) -> _Cfg:
+    """The tile of kernel kind at G query heads per KV head, for NC compressed rows (a sequence
+    has at most NC; symbolic in a dynamic-length trace, which takes the tier's tile)."""
+    short = tier == 0 and kind in _SHORT_TILES and isinstance(NC, int) and NC <= SHORT_KEYS
+    rows, block_n, num_warps, num_stages = _SHORT_TILES[kind] if short else _TILES[kind][tier]
     return _Cfg(*_rows_cfg(G, rows), block_n, num_warps, num_stages)
 
 
@@ -878,7 +895,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
         return o, lse
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device,
                   seqlen_k=seqlen_k, cu_seqlens_k=cu_seqlens_k)
-    cfg = _attn_cfg("fwd", G, _tier(q.dtype, DK, DV))
+    cfg = _attn_cfg("fwd", G, _tier(q.dtype, DK, DV), NC)
     launch(_fwd_kernel)[(triton.cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, o, lse, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(o, 0, 1, 2),
@@ -923,7 +940,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     common = dict(L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK),
                   DV_PAD=_pad(DV), VARLEN=lay.varlen, PREC=dot_precision(q.dtype))
     tier = _tier(q.dtype, DK, DV)
-    cfg = _attn_cfg("dq", G, tier)
+    cfg = _attn_cfg("dq", G, tier, NC)
     launch(_dq_kernel)[(triton.cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, do, lse, delta, dq, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
@@ -931,7 +948,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
         TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **common)
     if NC > 0:
-        cfg = _attn_cfg("dkdv", G, tier)
+        cfg = _attn_cfg("dkdv", G, tier, NC)
         key_tiles = triton.cdiv(NC, cfg.block_n)
         nsplit = _dkdv_splits(key_tiles * B * H, T, cfg.tok, q.device)
         if nsplit > 1:

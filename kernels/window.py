@@ -367,7 +367,7 @@ class Tiles(NamedTuple):
 
 
 # GPU tiles by the widest padded head row in bytes: (row bytes up to, Tiles). Starting points for
-# H100-class parts, except the 128- and 256-byte rows and the 512-byte row's backward. The
+# H100-class parts, except the 128- and 256-byte rows and the 512-byte row (measured). The
 # 256-byte row (D = 128 in 16 bits), the fastest of bench/tune_window.py at T=64k, w=512, G=16
 # (H100, bf16): forward (128, 32, 4, 3) 3.31-3.41 ms against 3.46-8.07 for ten others; dK dV (64,
 # 64, 4, 2) 7.51 ms against 8.21-71 for fourteen others; dQ (128, 32, 4, 3) 4.19 ms against
@@ -386,9 +386,15 @@ class Tiles(NamedTuple):
 # 6.480; the starting points before ((128, 64, 4, 3), (64, 64, 4, 2) both) 0.498 / 1.979 and 1.930
 # / 7.550; five other sets 0.47-0.72 / 1.92-2.87 forward, 1.82-2.57 / 7.11-10.07 backward. The
 # 512-byte row's backward at Dk = 192, Dv = 128 (T = 16k): dQ (128, 32, 8, 2) with dK dV (64, 64,
-# 8, 2) 6.37 ms against 10.33 for the (32, 32, 4, 1) both had and 6.48-10.07 for four other pairs;
-# its forward is not re-measured. The two backward kernels share one config where a tier was not
-# measured.
+# 8, 2) 6.37 ms against 10.33 for the (32, 32, 4, 1) both had and 6.48-10.07 for four other pairs.
+# Its forward serves three geometries of one row size, one tile for all: H200, two interleaved
+# rounds of 6 pointer and 7 TMA tiles (`.gpu`-style script), ms at bf16 Dk = 192 / Dv = 128 (HQ =
+# 64, H = 4, T = 16k), bf16 D = 256 (HQ = 32, H = 2, 16k), fp32 D = 128 (HQ = 64, H = 4, 8k):
+# TMA (128, 64, 8, 2) 1.16 / 0.70 / 9.63 against 1.37 / 0.96 / 11.37 for the pointer (64, 32, 4, 2)
+# it had; pointer loads (128, 64, 8, 2) 1.24 / 0.80 / 10.41. The best where it fits, (128, 64, 8,
+# 3), 1.03-1.05 at Dk = 192 (4.25 against 5.47 at 64k), is over sm_90's shared memory at D = 256
+# and fp32 D = 128; the other tiles 1.09-1.72 / 0.77-2.35 / 10.07-20.07. The two backward kernels
+# share one config where a tier was not measured.
 _GPU_TILES = (
     (128, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 3), dq_tma=TileConfig(128, 32, 4, 3),
@@ -399,8 +405,8 @@ _GPU_TILES = (
                 dkdv_tma=TileConfig(64, 64, 4, 3),
                 dkdv_tma_wide=TileConfig(64, 128, 8, 3, keys_as_rows=True),
                 dkdv_fp32=TileConfig(32, 64, 4, 2))),
-    (512, Tiles(TileConfig(64, 32, 4, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
-                dkdv_fp32=TileConfig(32, 32, 4, 1))),
+    (512, Tiles(TileConfig(128, 64, 8, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
+                fwd_tma=TileConfig(128, 64, 8, 2), dkdv_fp32=TileConfig(32, 32, 4, 1))),
     (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
                      TileConfig(16, 32, 4, 1))),
 )

@@ -178,8 +178,13 @@ def test_attention(case, dtype):
     check_attention(q, k, v, l, d, None, ATOL[dtype], with_dlse=G != 2)  # G=2 cases: dlse None
 
 
+@pytest.mark.parametrize("tiles", ["short", "long"])
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=VARLEN_IDS)
-def test_attention_varlen(case):
+def test_attention_varlen(monkeypatch, case, tiles):
+    """tiles: the forward and dq tiles of few keys (SHORT_KEYS), which every CPU shape takes,
+    or the tier's, which longer sequences take (more tokens a program across the sequences)."""
+    if tiles == "long":
+        monkeypatch.setattr(kc, "SHORT_KEYS", -1)
     H, G, Dk, Dv, l, d = case
     cu = torch.tensor(VARLEN_CU, dtype=torch.int32, device=_device())
     q, k, v = make_inputs(1, VARLEN_CU[-1], H, G, Dk, Dv, l, d, torch.float32, cu)
@@ -284,6 +289,7 @@ def test_small_tiles(monkeypatch, cu_list, nsplit, ordered):
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     monkeypatch.setattr(kc, "_TILES", {name: ((16, 16, 4, 1),) * len(tiles)
                                        for name, tiles in kc._TILES.items()})
+    monkeypatch.setattr(kc, "SHORT_KEYS", -1)  # the table above, whatever the length
     monkeypatch.setattr(kc, "_SELECT_TILES",
                         (((64, 16, 1, 4, 1, None),) * 2,) * len(kc._SELECT_TILES))
     T = 200 if cu_list is None else cu_list[-1]
@@ -306,6 +312,7 @@ GPU_CASES = [
     (1, 2048, 8, 16, 192, 128),
     (2, 3001, 8, 4, 64, 64),
     (1, 8192, 8, 1, 128, 128),
+    (1, 20000, 2, 16, 128, 128),  # 1249 compressed rows: past SHORT_KEYS, the tier's tiles
 ]
 GPU_VARLEN_CU = [0, 17, 1000, 1031, 4096, 6000]
 
