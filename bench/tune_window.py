@@ -5,13 +5,13 @@ prints median ms.
                                 --config FILE.yaml]
 
 Used to fill `_GPU_TILES` in kernels/window.py (bf16, at the geometry of bench/geometry.py: by
-default the spec's, D=128, the 256-byte row tier). Each row replaces one of that tier's
-TileConfigs (the forward, dQ and dK dV kernels, each with pointer loads and with TMA loads
+default the spec's, D=128: the tier of 512-byte K + V rows). Each row replaces one of that
+tier's TileConfigs (the forward, dQ and dK dV kernels, each with pointer loads and with TMA loads
 (sm90+), and the dK dV kernel's own TMA tile for groups of W.WIDE_GROUP heads or more) and
 times the pass it belongs to; a backward row with TMA loads has them in both of its kernels. A
 dkdv_tma row leaves the wide-group tile out, so that it runs at any G.
 """
-import triton
+import torch
 import triton.testing
 
 import geometry
@@ -57,9 +57,8 @@ def main():
     else:
         print(f"T={T} w={w} aten_fa2 refuses: {refusal}", flush=True)
     tiles = list(W._GPU_TILES)
-    # bf16 rows of the widest head dim, padded to a power of two as the kernel's tiles are
-    row_bytes = 2 * triton.next_power_of_2(max(geo.head_dim_qk, geo.head_dim_v))
-    tier = next(i for i, (limit, _) in enumerate(tiles) if row_bytes <= limit)
+    kv_bytes = W._kv_bytes(torch.bfloat16, geo.head_dim_qk, geo.head_dim_v)
+    tier = next(i for i, (limit, _) in enumerate(tiles) if kv_bytes <= limit)
     limit, tuned = tiles[tier]
     for kernel in args.kernels:
         for cfg in SWEEP[kernel]:

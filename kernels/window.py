@@ -366,9 +366,10 @@ class Tiles(NamedTuple):
     dkdv_fp32: Optional[TileConfig] = None
 
 
-# GPU tiles by the widest padded head row in bytes: (row bytes up to, Tiles). Starting points for
-# H100-class parts, except the 128- and 256-byte rows and the 512-byte row (measured). The
-# 256-byte row (D = 128 in 16 bits), the fastest of bench/tune_window.py at T=64k, w=512, G=16
+# GPU tiles by the bytes one key's K and V rows take, padded as the tiles pad them (`_kv_bytes`:
+# what a pipeline stage holds per key): (bytes up to, Tiles). Starting points for H100-class
+# parts, except the measured 256-, 512-, 768- and 1024-byte rows. The 512-byte rows (D = 128 in
+# 16 bits), the fastest of bench/tune_window.py at T=64k, w=512, G=16
 # (H100, bf16): forward (128, 32, 4, 3) 3.31-3.41 ms against 3.46-8.07 for ten others; dK dV (64,
 # 64, 4, 2) 7.51 ms against 8.21-71 for fourteen others; dQ (128, 32, 4, 3) 4.19 ms against
 # 4.32-10.8 for eleven others. With TMA loads (sm90+; T = 16k / 64k, two runs of the sweep,
@@ -379,34 +380,43 @@ class Tiles(NamedTuple):
 # (one run; five other dQ tiles 3.17-3.90 / 11.99-15.14). With the dK dV kernel's Q/dO through TMA
 # as well (one run): (64, 64, 4, 3) 2.69 / 10.89 ms against 2.94 / 11.57 at (64, 64, 4, 2) and
 # 3.02-6.81 / 11.71-27.01 for six others; both kernels with pointer loads 3.02 / 11.88 at the
-# pointer tile (64, 64, 4, 2). The 128-byte row (D = 33-64 in 16 bits), one run at D = 64 (same
+# pointer tile (64, 64, 4, 2). The 256-byte rows (D = 33-64 in 16 bits), one run at D = 64 (same
 # geometry, T = 16k / 64k; FA-2 forward 1.11 / 5.87 ms, backward 2.18 / 8.56): forward with TMA
 # (128, 64, 4, 3) 0.470 / 1.862, pointer loads (128, 32, 4, 3) 0.472 / 1.922; backward with TMA dQ
 # (128, 32, 4, 3) and dK dV (64, 64, 4, 3) 1.594 / 6.256, pointer loads at the same tiles 1.621 /
 # 6.480; the starting points before ((128, 64, 4, 3), (64, 64, 4, 2) both) 0.498 / 1.979 and 1.930
-# / 7.550; five other sets 0.47-0.72 / 1.92-2.87 forward, 1.82-2.57 / 7.11-10.07 backward. The
-# 512-byte row's backward at Dk = 192, Dv = 128 (T = 16k): dQ (128, 32, 8, 2) with dK dV (64, 64,
-# 8, 2) 6.37 ms against 10.33 for the (32, 32, 4, 1) both had and 6.48-10.07 for four other pairs.
-# Its forward serves three geometries of one row size, one tile for all: H200, two interleaved
-# rounds of 6 pointer and 7 TMA tiles (`.gpu`-style script), ms at bf16 Dk = 192 / Dv = 128 (HQ =
-# 64, H = 4, T = 16k), bf16 D = 256 (HQ = 32, H = 2, 16k), fp32 D = 128 (HQ = 64, H = 4, 8k):
-# TMA (128, 64, 8, 2) 1.16 / 0.70 / 9.63 against 1.37 / 0.96 / 11.37 for the pointer (64, 32, 4, 2)
-# it had; pointer loads (128, 64, 8, 2) 1.24 / 0.80 / 10.41. The best where it fits, (128, 64, 8,
-# 3), 1.03-1.05 at Dk = 192 (4.25 against 5.47 at 64k), is over sm_90's shared memory at D = 256
-# and fp32 D = 128; the other tiles 1.09-1.72 / 0.77-2.35 / 10.07-20.07. The two backward kernels
-# share one config where a tier was not measured.
+# / 7.550; five other sets 0.47-0.72 / 1.92-2.87 forward, 1.82-2.57 / 7.11-10.07 backward.
+# The 768- and 1024-byte rows were one tier (keyed by the wider of K's and V's rows) until a
+# forward tile that fits the first overflowed the second. Backward at Dk = 192, Dv = 128 (768
+# bytes, T = 16k, H100, pointer loads): dQ (128, 32, 8, 2) with dK dV (64, 64, 8, 2) 6.37 ms
+# against 10.33 for the (32, 32, 4, 1) both had and 6.48-10.07 for four other pairs; H200, two
+# interleaved rounds (`.gpu`-style script): both kernels with TMA loads, dQ (128, 64, 8, 2) and
+# dK dV (64, 64, 8, 2), 5.71 ms against 6.50 with pointer loads, four other dQ tiles 6.02-11.3 and
+# five other dK dV tiles 7.37-13.5. The forward, H200, two interleaved rounds of 6 pointer and 7
+# TMA tiles, ms at bf16 Dk = 192 / Dv = 128 (HQ = 64, H = 4, T = 16k), bf16 D = 256 (HQ = 32,
+# H = 2, 16k) and fp32 D = 128 (HQ = 64, H = 4, 8k), both 1024 bytes: at 768 bytes TMA (128, 64,
+# 8, 3) 1.03-1.05 (4.25 at 64k) and pointer loads (128, 64, 8, 3) 1.11, against 1.37 (5.47) for
+# the pointer (64, 32, 4, 2) the tier had; at 1024 bytes, where (128, 64, 8, 3) is over sm_90's
+# shared memory, TMA (128, 64, 8, 2) 0.70 / 9.63 against 0.96 / 11.37, pointer loads (128, 64, 8,
+# 2) 0.80 / 10.41; the other tiles 1.09-1.72 / 0.77-2.35 / 10.07-20.07. At 1024 bytes the
+# backward keeps pointer loads: with TMA, D = 256 took 4.95-14.7 ms against 3.99 (fp32 rows take
+# `dkdv_fp32`, pointer loads). The two backward kernels share one config where a tier was not
+# measured.
 _GPU_TILES = (
-    (128, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 32, 4, 3),
+    (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 3), dq_tma=TileConfig(128, 32, 4, 3),
                 dkdv_tma=TileConfig(64, 64, 4, 3),
                 dkdv_tma_wide=TileConfig(64, 64, 4, 3, keys_as_rows=True))),
-    (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
+    (512, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3),
                 dkdv_tma=TileConfig(64, 64, 4, 3),
                 dkdv_tma_wide=TileConfig(64, 128, 8, 3, keys_as_rows=True),
                 dkdv_fp32=TileConfig(32, 64, 4, 2))),
-    (512, Tiles(TileConfig(128, 64, 8, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
-                fwd_tma=TileConfig(128, 64, 8, 2), dkdv_fp32=TileConfig(32, 32, 4, 1))),
+    (768, Tiles(TileConfig(128, 64, 8, 3), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
+                fwd_tma=TileConfig(128, 64, 8, 3), dq_tma=TileConfig(128, 64, 8, 2),
+                dkdv_tma=TileConfig(64, 64, 8, 2), dkdv_fp32=TileConfig(32, 32, 4, 1))),
+    (1024, Tiles(TileConfig(128, 64, 8, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
+                 fwd_tma=TileConfig(128, 64, 8, 2), dkdv_fp32=TileConfig(32, 32, 4, 1))),
     (math.inf, Tiles(TileConfig(32, 32, 4, 1), TileConfig(16, 32, 4, 1),
                      TileConfig(16, 32, 4, 1))),
 )
@@ -433,28 +443,34 @@ _GPU_TILES = (
 # 10.52-10.58, (32, 128, 8, 4) 11.39-13.33, (32, 128, 8, 2) 13.70-14.46, (128, 64, 8, 2)
 # 15.20-17.89, (64, 64, 8, 3) 15.28-18.20, (128, 64, 8, 3) over shared memory, and the [rows,
 # keys] form at (64, 128, 8, 3) 17.77-19.33; D = 64 (64, 64, 4, 4) 6.31-6.37 against 6.13-6.16,
-# (32, 64, 4, 3) 6.37-6.38, (128, 64, 4, 3) 6.47-6.49, (64, 128, 8, 4) 6.91-6.95. 512-byte rows
-# keep the [rows, keys] form: transposed at (32, 128, 8, 2), Dk = 192 / Dv = 128 took 5.22 ms
-# against 6.40 at 16k, but D = 256 10.55 against 3.93 at 8k.
+# (32, 64, 4, 3) 6.37-6.38, (128, 64, 4, 3) 6.47-6.49, (64, 128, 8, 4) 6.91-6.95. 768- and
+# 1024-byte rows keep the [rows, keys] form: transposed at (32, 128, 8, 2), Dk = 192 / Dv = 128
+# took 5.22 ms against 6.40 at 16k, but D = 256 10.55 against 3.93 at 8k.
 WIDE_GROUP = 16
 # The CPU interpreter's cost grows with the number of tiles; these still leave several tiles
 # (and skipped ones) in the small test shapes.
 _INTERPRETER_TILES = TileConfig(32, 16, 4, 1)
 
 
-def _tile_config(kernel: str, row_bytes: int, on_gpu: bool) -> Optional[TileConfig]:
+def _kv_bytes(dtype: torch.dtype, dk: int, dv: int) -> int:
+    """The bytes of one key's K and V rows, head dims padded as the tiles pad them: the key of
+    `_GPU_TILES`."""
+    return row_bytes(dtype, dk) + row_bytes(dtype, dv)
+
+
+def _tile_config(kernel: str, kv_bytes: int, on_gpu: bool) -> Optional[TileConfig]:
     """The TileConfig of kernel "fwd", "dkdv", "dq", "fwd_tma", "dq_tma", "dkdv_tma",
-    "dkdv_tma_wide" or "dkdv_fp32" for rows of row_bytes (None: a TMA, wide-group or fp32 kernel
-    unmeasured there)."""
+    "dkdv_tma_wide" or "dkdv_fp32" for keys of kv_bytes (`_kv_bytes`; None: a TMA, wide-group
+    or fp32 kernel unmeasured there)."""
     if not on_gpu:
         return _INTERPRETER_TILES
-    tiles = next(t for limit, t in _GPU_TILES if row_bytes <= limit)
+    tiles = next(t for limit, t in _GPU_TILES if kv_bytes <= limit)
     return getattr(tiles, kernel)
 
 
 def _fp32_dkdv_tile(q: Tensor, width: int) -> Optional[TileConfig]:
-    """The dK dV tile of fp32 rows of `width` bytes on a GPU, where their tier has one (pointer
-    loads); None: the tier's own tiles."""
+    """The dK dV tile of fp32 keys of `width` bytes (`_kv_bytes`) on a GPU, where their tier has
+    one (pointer loads); None: the tier's own tiles."""
     if not cuda_core_dots(q.dtype) or not q.is_cuda:
         return None
     return _tile_config("dkdv_fp32", width, True)
@@ -465,7 +481,7 @@ def _routed_tile(kernel: str, q: Tensor, k: Tensor, v: Tensor) -> Optional[TileC
     launches with (None: TMA tiles unmeasured for these rows): the tier's, but the dK dV kernel's
     own tiles for fp32 rows on a GPU and, with TMA, for groups of WIDE_GROUP heads or more, where
     the tier has them."""
-    width = row_bytes(q.dtype, k.shape[3], v.shape[3])
+    width = _kv_bytes(q.dtype, k.shape[3], v.shape[3])
     own = None
     if kernel == "dkdv":
         own = _fp32_dkdv_tile(q, width)
@@ -478,12 +494,13 @@ def _tma_reason(kernel: str, q: Tensor, k: Tensor, v: Tensor, do: Optional[Tenso
                 ) -> Optional[str]:
     """Why kernel "fwd" or "dq" cannot read K/V, or "dkdv" Q/dO (do given), through TMA
     descriptors (None: it can)."""
-    width = row_bytes(q.dtype, k.shape[3], v.shape[3])
+    width = _kv_bytes(q.dtype, k.shape[3], v.shape[3])
     if kernel == "dkdv" and _fp32_dkdv_tile(q, width) is not None:
-        return f"fp32 {width}-byte rows take the dkdv_fp32 tile, measured with pointer loads"
+        return (f"fp32 K + V rows of {width} bytes take the dkdv_fp32 tile, measured with "
+                f"pointer loads")
     tiles = _routed_tile(f"{kernel}_tma", q, k, v)
     if tiles is None:
-        return f"no {kernel} TMA tiles measured for {width}-byte rows"
+        return f"no {kernel} TMA tiles measured for K + V rows of {width} bytes"
     if kernel != "dkdv":
         return tma_kv_reason(k, v)
     G = q.shape[2] // k.shape[2]

@@ -77,7 +77,7 @@ def routed(dtype, dk, dv, HQ, H):
     for module in (window, compressed, selection):
         module.launch = CompileForSm90
     cpu_tiles = window._tile_config
-    window._tile_config = lambda kernel, row_bytes, on_gpu: cpu_tiles(kernel, row_bytes, True)
+    window._tile_config = lambda kernel, kv_bytes, on_gpu: cpu_tiles(kernel, kv_bytes, True)
     T, l, d, sel, n, w, scale = 2048, 32, 16, 64, 16, 512, dk ** -0.5
     dt = getattr(torch, dtype)
     q, do = (torch.randn(1, T, HQ, dim, dtype=dt) for dim in (dk, dv))

@@ -114,17 +114,17 @@ def test_triton_gpu_tiles_without_dlse(monkeypatch, poisoned_empty):
     """The GPU tile shapes (larger than the interpreter's) and the dlse=None path."""
     real = win._tile_config
     monkeypatch.setattr(win, "_tile_config",
-                        lambda kernel, row_bytes, on_gpu: real(kernel, row_bytes, True))
+                        lambda kernel, kv_bytes, on_gpu: real(kernel, kv_bytes, True))
     _compare_cpu(1, 300, 2, 16, 16, 40, torch.float16, with_dlse=False, seed=3)
 
 
-@pytest.mark.parametrize("width", [256, 512])
+@pytest.mark.parametrize("width", [512, 768, 1024])
 def test_triton_fp32_dkdv_tiles(width, monkeypatch, poisoned_empty):
     """The dK dV tiles fp32 rows take on a GPU (`Tiles.dkdv_fp32`), run by the interpreter with
     G = 16 (two tokens per 32-row tile) and queries past the last full tile."""
     tile = win._tile_config("dkdv_fp32", width, True)
     assert tile is not None
-    monkeypatch.setattr(win, "_fp32_dkdv_tile", lambda q, row_bytes: tile)
+    monkeypatch.setattr(win, "_fp32_dkdv_tile", lambda q, kv_bytes: tile)
     _compare_cpu(1, 150, 16, 16, 16, 70, torch.float32, seed=width)
 
 
@@ -133,7 +133,7 @@ def test_triton_gpu_tiles_wide_group(monkeypatch, poisoned_empty):
     transposed form; run by the interpreter at that tile."""
     real = win._tile_config
     monkeypatch.setattr(win, "_tile_config",
-                        lambda kernel, row_bytes, on_gpu: real(kernel, row_bytes, True))
+                        lambda kernel, kv_bytes, on_gpu: real(kernel, kv_bytes, True))
     G = win.WIDE_GROUP
     q, k, v, do, dlse = _inputs(1, 40, 1, G, 16, 16, torch.float32, seed=11)
     assert win._routed_tile("dkdv_tma", q, k, v).keys_as_rows
@@ -328,8 +328,8 @@ def test_gpu_routing():
                                   "H4-G16-D64-T4096"])
 def test_gpu_triton_fp32(case):
     """fp32 on the GPU must use exact (non-tf32) dots: near-fp32 agreement with the reference.
-    D = 128 runs the 512-byte rows' tiles and D = 64 the 256-byte rows' (their dkdv_fp32 tiles
-    in the dK dV kernel), Dk = 192 the widest."""
+    D = 128 runs the 1024-byte keys' tiles (K + V rows) and D = 64 the 512-byte keys' (their
+    dkdv_fp32 tiles in the dK dV kernel), Dk = 192 / Dv = 128 the widest tier's."""
     cfg = GPU_CASES[case]
     q, k, v, do, dlse, cu = _gpu_inputs(cfg, torch.float32)
     scale = cfg["Dk"] ** -0.5

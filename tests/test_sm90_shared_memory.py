@@ -4,7 +4,8 @@ the GPU's tile tables and the specialization Triton's JIT gives real launches. A
 for more cannot launch (OutOfResources on the first call), and the CPU suite runs the
 interpreter, which takes any tile. The head rows are the widest each routed path serves: 16-bit
 D = 256 (the Triton rows' limit, where FA-2 and cuDNN refuse or the queries sit at an offset) and
-fp32 D = 256 (the last tile tier)."""
+fp32 D = 256 (the last tile tier); 16-bit Dk = 192 with Dv = 128 is the widest key of the window
+kernels' 768-byte tier, whose forward pipelines 3 stages."""
 import re
 
 import pytest
@@ -23,7 +24,8 @@ ROUTED = {"_bwd_dq_kernel", "_bwd_dkdv_kernel", "_dq_kernel", "_dkdv_kernel", "_
 
 @pytest.mark.parametrize("dtype,dk,dv,HQ,H,expected", [
     ("bfloat16", 256, 256, 32, 2, ROUTED | {"_shared_dq_kernel"}),
-    ("float32", 256, 256, 32, 2, ROUTED)], ids=["bf16-D256", "fp32-D256"])
+    ("bfloat16", 192, 128, 64, 4, ROUTED | {"_shared_dq_kernel"}),
+    ("float32", 256, 256, 32, 2, ROUTED)], ids=["bf16-D256", "bf16-Dk192-Dv128", "fp32-D256"])
 def test_routed_kernels_fit_sm90_shared_memory(dtype, dk, dv, HQ, H, expected):
     run = compile_for_sm90("routed", dtype, dk, dv, HQ, H)
     assert run.returncode == 0, run.stderr[-3000:]
