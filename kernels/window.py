@@ -367,9 +367,9 @@ class Tiles(NamedTuple):
 
 
 # GPU tiles by the bytes one key's K and V rows take, padded as the tiles pad them (`_kv_bytes`:
-# what a pipeline stage holds per key): (bytes up to, Tiles). Starting points for H100-class
-# parts, except the measured 256-, 512-, 768- and 1024-byte rows. The 512-byte rows (D = 128 in
-# 16 bits), the fastest of bench/tune_window.py at T=64k, w=512, G=16
+# what a pipeline stage holds per key): (bytes up to, Tiles). Measured on H100s and an H200 but
+# the last tier (a starting point), in 16 bits where the text below gives no dtype. The 512-byte
+# rows (D = 128 in 16 bits), the fastest of bench/tune_window.py at T=64k, w=512, G=16
 # (H100, bf16): forward (128, 32, 4, 3) 3.31-3.41 ms against 3.46-8.07 for ten others; dK dV (64,
 # 64, 4, 2) 7.51 ms against 8.21-71 for fourteen others; dQ (128, 32, 4, 3) 4.19 ms against
 # 4.32-10.8 for eleven others. With TMA loads (sm90+; T = 16k / 64k, two runs of the sweep,
@@ -400,8 +400,9 @@ class Tiles(NamedTuple):
 # shared memory, TMA (128, 64, 8, 2) 0.70 / 9.63 against 0.96 / 11.37, pointer loads (128, 64, 8,
 # 2) 0.80 / 10.41; the other tiles 1.09-1.72 / 0.77-2.35 / 10.07-20.07. At 1024 bytes the
 # backward keeps pointer loads: with TMA, D = 256 took 4.95-14.7 ms against 3.99 (fp32 rows take
-# `dkdv_fp32`, pointer loads). The two backward kernels share one config where a tier was not
-# measured.
+# `dkdv_fp32`, pointer loads). fp32 keys of 768 bytes (Dk = 128 with Dv <= 64, or the reverse)
+# take the 16-bit tiles of their tier, unmeasured. The two backward kernels share one config
+# where a tier was not measured.
 _GPU_TILES = (
     (256, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 3), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 3), dq_tma=TileConfig(128, 32, 4, 3),
