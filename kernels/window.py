@@ -783,12 +783,12 @@ def backend_refusal(backend: str, q: Tensor, v: Optional[Tensor] = None,
 
 
 def select_backend(q: Tensor, v: Tensor, backend: Optional[str] = None,
-                   offset: bool = False) -> str:
+                   offset: bool = False, backward: bool = False) -> str:
     """`backend` if it can serve the inputs, else (backend None) the backend routing would choose
-    (its first row here that neither refuses nor defers). Raises ValueError with the refusal
-    reason(s) when nothing fits."""
+    for the forward or, backward=True, the backward (its first row here that neither refuses nor
+    defers). Raises ValueError with the refusal reason(s) when nothing fits."""
     if backend is None:
-        rows = routing.reasons(_OP, Inputs.of(q, v, offset=offset))
+        rows = routing.reasons(_OP, Inputs.of(q, v, offset=offset, backward=backward))
         for row, reason, _ in rows:
             if reason is None and row.impl in _BACKENDS:
                 return row.impl
@@ -820,9 +820,9 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, window: int,
 
 
 def _backend_for(q: Tensor, k: Tensor, v: Tensor, backend: Optional[str],
-                 cu_seqlens_k: Optional[Tensor]) -> str:
+                 cu_seqlens_k: Optional[Tensor], backward: bool = False) -> str:
     return select_backend(q, v, backend, offset=cu_seqlens_k is not None or
-                          k.shape[1] != q.shape[1])
+                          k.shape[1] != q.shape[1], backward=backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -871,7 +871,7 @@ def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
     triton backend): the dQ kernel reads K/V and the dK dV kernel Q/dO through TMA descriptors
     (None: each where `_tma_loads` allows; True forces both)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    name = _backend_for(q, k, v, backend, cu_seqlens_k)
+    name = _backend_for(q, k, v, backend, cu_seqlens_k, backward=True)
     _, bwd = _BACKENDS[name]
     if q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

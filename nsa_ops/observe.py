@@ -3,9 +3,9 @@ reference. torch.profiler needs nothing from here: every torch.ops.nsa op, backw
 goes through the dispatcher, which records it under its name (nsa::selection_attention, ...), and
 nsa_attention's eager path (nsa_ops.eager), which runs the ops' bodies, records the same names.
 
-Logging, on the `nsa_ops` logger: at INFO, the first time each (op, impl, dtype, device type)
-runs, the implementation that served it and why every row ahead of it in the routing table
-refused or deferred; at DEBUG, every call. Routing never reads tensor values, so neither does
+Logging, on the `nsa_ops` logger: at INFO, the first time each (op, direction, impl, dtype,
+device type) runs, the implementation that served it ("nsa.<op> backward runs ..." for a backward
+op) and why every row ahead of it in the routing table refused or deferred; at DEBUG, every call. Routing never reads tensor values, so neither does
 this: no device sync. Nothing is logged while torch.compile traces. NSA_OPS_LOG=info|debug
 installs a stderr handler on that logger (and stops its propagation, so lines print once).
 
@@ -52,7 +52,7 @@ _OUTPUTS = {"compressed_attention": ("o", "lse"), "select_blocks": ("block_idx",
             "selection_attention": ("o", "lse"), "sliding_window_attention": ("o", "lse"),
             "gate_combine": ("o",)}
 
-_logged: set[tuple[str, str, torch.dtype, str]] = set()
+_logged: set[tuple[str, bool, str, torch.dtype, str]] = set()
 _handler: Optional[logging.Handler] = None
 _every = 0  # parity checks every _every-th forward call of each op; 0: off
 _calls: dict[str, int] = {}  # forward calls per op seen by parity mode
@@ -101,14 +101,14 @@ def parity(fraction: float = 1.0) -> Iterator[None]:
 
 
 def choose(op: str, x: routing.Inputs) -> routing.Route:
-    """routing.choose, for a call that runs: the first time an (op, impl, dtype, device type)
-    runs, its INFO line."""
+    """routing.choose, for a call that runs: the first time an (op, direction, impl, dtype,
+    device type) runs, its INFO line."""
     route = routing.choose(op, x)
     # compiling first: Dynamo constant-folds it, and cannot trace Logger methods (decode may be
     # compiled)
     if torch.compiler.is_compiling() or not logger.isEnabledFor(logging.INFO):
         return route
-    key = (op, route.impl, x.dtype, x.device_type)
+    key = (op, x.backward, route.impl, x.dtype, x.device_type)
     if key in _logged:
         return route
     _logged.add(key)
@@ -118,8 +118,9 @@ def choose(op: str, x: routing.Inputs) -> routing.Route:
             break
         passed.append(f"{row.impl} {kind}: {reason}")
     sm = f" sm{x.sm[0]}{x.sm[1]}" if x.sm else ""
-    logger.info("nsa.%s runs %s for %s on %s%s%s", op, route.impl, _name(x.dtype),
-                x.device_type, sm, "; " + "; ".join(passed) if passed else " (first choice)")
+    logger.info("nsa.%s%s runs %s for %s on %s%s%s", op, " backward" if x.backward else "",
+                route.impl, _name(x.dtype), x.device_type, sm,
+                "; " + "; ".join(passed) if passed else " (first choice)")
     return route
 
 

@@ -27,13 +27,14 @@ _DEVICES = ("cpu", "cuda")
 
 
 def _route(op: str, q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor],
-           offset: bool = False) -> routing.Route:
-    return observe.choose(op, Inputs.of(q, v, cu_seqlens, offset))
+           offset: bool = False, backward: bool = False) -> routing.Route:
+    return observe.choose(op, Inputs.of(q, v, cu_seqlens, offset, backward))
 
 
 def _compressed_route(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
-                      cu_seqlens: Optional[Tensor], offset: bool) -> routing.Route:
-    x = Inputs.of_compressed(q, v_cmp, block_len, block_stride, cu_seqlens, offset)
+                      cu_seqlens: Optional[Tensor], offset: bool, backward: bool = False
+                      ) -> routing.Route:
+    x = Inputs.of_compressed(q, v_cmp, block_len, block_stride, cu_seqlens, offset, backward)
     return observe.choose("compressed_attention", x)
 
 
@@ -130,7 +131,8 @@ def compressed_attention_backward(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Te
                                   seqlen_k: Optional[int] = None
                                   ) -> tuple[Tensor, Tensor, Tensor]:
     kw, offset = _keys(q, None, cu_seqlens_k, seqlen_k)
-    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens, offset)
+    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens, offset,
+                              backward=True)
     return _call(route.backward, route, q, k_cmp, v_cmp, o, lse, do, dlse, block_len,
                  block_stride, scale, cu_seqlens, **kw)
 
@@ -242,7 +244,7 @@ def selection_backward_adding(dq_add: tuple[Tensor, ...], q: Tensor, k: Tensor, 
     """selection_attention_backward's body, its dq summed with the gradients dq_add (shaped
     like q): inside the backward where the route takes them (`Route.adds_dq`), else after."""
     kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
-    route = _route("selection_attention", q, v, cu_seqlens, offset)
+    route = _route("selection_attention", q, v, cu_seqlens, offset, backward=True)
     if route.adds_dq:
         kw["dq_add"] = dq_add
     dq, dk, dv = _call(route.backward, route, q, k, v, o, lse, do, dlse, block_idx, sel_block,
@@ -310,7 +312,7 @@ def sliding_window_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor
                                       cu_seqlens_k: Optional[Tensor] = None
                                       ) -> tuple[Tensor, Tensor, Tensor]:
     kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
-    route = _route("sliding_window_attention", q, v, cu_seqlens, offset)
+    route = _route("sliding_window_attention", q, v, cu_seqlens, offset, backward=True)
     return _call(route.backward, route, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens,
                  **kw)
 
@@ -356,9 +358,10 @@ def _gate_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
     return dtype
 
 
-def _gate_route(*inputs: Optional[Tensor]) -> routing.Route:
+def _gate_route(*inputs: Optional[Tensor], backward: bool = False) -> routing.Route:
     o_cmp = inputs[0]
-    x = dataclasses.replace(Inputs.of(o_cmp, o_cmp), dtype=_gate_dtype(*inputs))
+    x = dataclasses.replace(Inputs.of(o_cmp, o_cmp, backward=backward),
+                            dtype=_gate_dtype(*inputs))
     return observe.choose("gate_combine", x)
 
 
@@ -383,7 +386,7 @@ def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optio
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads
     and, unless gate_grads, the gate grads are empty [0] tensors."""
-    route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+    route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, backward=True)
     return _call(route.backward, route, do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads)
 
 

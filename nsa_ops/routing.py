@@ -72,9 +72,13 @@ class Inputs:
     offset: bool = False  # queries at the end of longer keys (Tq < Tk, or cu_seqlens_k given)
     capturing: bool = False  # called inside CUDA-graph capture
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
+    # a backward op asks: each direction is routed on its own (as xformers dispatches its forward
+    # and backward ops), so a backward may run another row than its forward did
+    backward: bool = False
 
     @staticmethod
-    def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False) -> "Inputs":
+    def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False,
+           backward: bool = False) -> "Inputs":
         cuda = q.device.type == "cuda"
         sm = device_capability(q.device) if cuda else None
         T = q.shape[1]
@@ -82,12 +86,14 @@ class Inputs:
         return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], seqlen,
                       cu_seqlens is not None, offset=offset,
                       capturing=cuda and torch.cuda.is_current_stream_capturing(),
-                      deterministic=torch.are_deterministic_algorithms_enabled())
+                      deterministic=torch.are_deterministic_algorithms_enabled(),
+                      backward=backward)
 
     @staticmethod
     def of_compressed(q: torch.Tensor, v_cmp: torch.Tensor, block_len: int, block_stride: int,
-                      cu_seqlens=None, offset: bool = False) -> "Inputs":
-        return dataclasses.replace(Inputs.of(q, v_cmp, cu_seqlens, offset),
+                      cu_seqlens=None, offset: bool = False, backward: bool = False
+                      ) -> "Inputs":
+        return dataclasses.replace(Inputs.of(q, v_cmp, cu_seqlens, offset, backward),
                                    compressed=CompressedGeometry(block_len, block_stride))
 
     @staticmethod
@@ -111,7 +117,7 @@ class Inputs:
             parts.append(f"l={self.compressed.block_len} d={self.compressed.block_stride}")
         flags = (("varlen", self.varlen), ("queries at an offset", self.offset),
                  ("inside CUDA-graph capture", self.capturing),
-                 ("deterministic algorithms", self.deterministic))
+                 ("deterministic algorithms", self.deterministic), ("backward", self.backward))
         return " ".join(parts + [name for name, on in flags if on])
 
 
@@ -428,17 +434,19 @@ def _fa2_serves(x: Inputs) -> Optional[str]:
 
 
 def _triton_window_preferred(x: Inputs) -> Optional[str]:
-    # kernels/window.py's tuned tiles: 16-bit head rows padded to 64 or 128 values (head dims
-    # 33-128; where FA-2 serves, the inputs are 16-bit with Dk == Dv)
-    tuned = 32 < x.head_dim_qk <= 128
-    if not (x.sm == (9, 0) and tuned) and _fa2_serves(x) is None:
+    # kernels/window.py's tuned tiles: 16-bit head dims 33-128 both ways and, forward only, up to
+    # 256 (where FA-2 serves, the inputs are 16-bit with Dk == Dv)
+    widest = 128 if x.backward else 256
+    if not (x.sm == (9, 0) and 32 < x.head_dim_qk <= widest) and _fa2_serves(x) is None:
         return ("the Triton window kernels were measured faster than FA-2 on sm90 at head dims "
-                "33-128 only, with the tiles tuned there (H100, bf16, w=512; D=128 at T = 8k / "
-                "64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, "
-                "backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py "
-                "--kernels window; D=64 at T = 16k / 64k: forward 0.47 / 1.86 against 1.11 / "
-                "5.87, backward 1.59 / 6.26 against 2.18 / 8.56); FA-2 runs here (force to "
-                "override)")
+                "33-128 both ways and 129-256 forward only, with the tiles tuned there (H100, "
+                "bf16, w=512; D=128 at T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms "
+                "against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / "
+                "14.86 / 30.16, bench_kernels.py --kernels window; D=64 at T = 16k / 64k: "
+                "forward 0.47 / 1.86 against 1.11 / 5.87, backward 1.59 / 6.26 against 2.18 / "
+                "8.56; H200, D=256 (HQ=32, H=2) / 192 / 160 (HQ=64, H=4) at 16k: forward 0.71 / "
+                "1.31 / 1.36 against 1.04 / 1.87 / 2.01, backward 4.02 / 8.04 / 8.04 against "
+                "3.76 / 5.62 / 5.95); FA-2 runs here (force to override)")
     return None
 
 
@@ -739,7 +747,8 @@ def describe(examples: Optional[list[Inputs]] = None) -> str:
                   for sm, (value, source) in sorted(limits.entries[name].items())]
     for x in examples or default_examples():
         lines.append(f"\n{x.summary()}")
-        for op in ("decode",) if x.decode else PREFILL_OPS:
+        ops = ("decode",) if x.decode else PREFILL_OPS
+        for op in (o for o in ops if not x.backward or candidates(o)[0].backward):
             lines.append(f"  {op:26s} -> {choose(op, x).impl}")
             lines += [f"      {r.impl:11s} {kind}: {reason}"
                       for r, reason, kind in reasons(op, x) if reason]
@@ -757,6 +766,8 @@ def default_examples() -> list[Inputs]:
     examples += [Inputs("cuda", (9, 0), bf16, 128, 128, 65536, compressed=cmp),
                  Inputs("cuda", (9, 0), bf16, 128, 128, 512, compressed=cmp),
                  Inputs("cuda", (9, 0), bf16, 192, 128, 32768, compressed=cmp),
+                 Inputs("cuda", (9, 0), bf16, 256, 256, 16384, compressed=cmp),
+                 Inputs("cuda", (9, 0), bf16, 256, 256, 16384, compressed=cmp, backward=True),
                  Inputs("cuda", (8, 9), bf16, 128, 128, 32768, compressed=cmp),
                  Inputs("cuda", (7, 5), torch.float16, 128, 128, 8192, compressed=cmp),
                  Inputs("cuda", (9, 0), bf16, 128, 128, 1, decode=spec),

@@ -319,7 +319,11 @@ def test_gpu_routing():
     q = torch.zeros(1, 16, 8, 192, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
     assert win.select_backend(q, v) == "triton"  # Dk != Dv: FA-2 cannot serve it
-    assert win.select_backend(q, q) != "triton"
+    # Dk == Dv = 192: FA-2 runs the backward; on sm90 the Triton kernel the forward
+    forward = "triton" if torch.cuda.get_device_capability() == (9, 0) else "aten_fa2"
+    if win.backend_refusal("aten_fa2", q, q) is None:
+        assert win.select_backend(q, q) in (forward, "flash_attn")
+        assert win.select_backend(q, q, backward=True) in ("aten_fa2", "flash_attn")
     assert win.select_backend(q.float(), q.float()) == "triton"
 
 
@@ -372,3 +376,45 @@ def test_gpu_backends_agree(cfg, dtype):
     for a, b in itertools.combinations(names, 2):
         for name, x, y in zip(NAMES, results[a], results[b]):
             assert _rel(x, y) < GPU_REL_TOL[dtype], (a, b, name, _rel(x, y))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["H2-G16-D256-T2048", "H8-G4-D128-varlen"])
+def test_gpu_fa2_backward_of_triton_forward(case, dtype):
+    """At head dims 129-256 on sm90 the routing table runs the forward on Triton and the backward
+    on FA-2 (`routing.Inputs.backward`): FA-2's backward from the Triton forward's o and lse,
+    with an lse gradient too, against the reference."""
+    cfg = GPU_CASES[case]
+    q, k, v, do, dlse, cu = _gpu_inputs(cfg, dtype, seed=2)
+    names = [n for n in ("flash_attn", "aten_fa2") if win.backend_refusal(n, q, v) is None]
+    if not names:
+        pytest.skip("no FlashAttention-2 here")
+    scale = cfg["Dk"] ** -0.5
+    o, lse = win.sliding_window_fwd(q, k, v, cfg["w"], scale, cu, backend="triton")
+    refs = _reference(q, k, v, do, dlse, cfg["w"], scale, cu, torch.float32)
+    for backend in names:
+        grads = win.sliding_window_bwd(q, k, v, o, lse, do, dlse, cfg["w"], scale, cu,
+                                       backend=backend)
+        for name, out, exp in zip(NAMES, (o, lse, *grads), refs):
+            assert _rel(out, exp) < GPU_REL_TOL[dtype], (backend, name, _rel(out, exp))
+
+
+@pytest.mark.gpu
+def test_gpu_routed_window_by_direction():
+    """torch.ops.nsa.sliding_window_attention at D = 256 under autograd: each direction runs the
+    row the routing table picks for it (on sm90 with FA-2: Triton forward, FA-2 backward)."""
+    cfg = GPU_CASES["H2-G16-D256-T2048"]
+    q, k, v, do, _, _ = _gpu_inputs(cfg, torch.bfloat16, seed=3)
+    x = routing.Inputs.of(q, v)
+    fwd = routing.choose("sliding_window_attention", x).impl
+    bwd = routing.choose("sliding_window_attention", dataclasses.replace(x, backward=True)).impl
+    if x.sm == (9, 0) and win.backend_refusal("aten_fa2", q, v) is None:
+        assert (fwd, bwd) in (("triton", "flash_attn"), ("triton", "aten_fa2"))
+    scale = cfg["Dk"] ** -0.5
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = torch.ops.nsa.sliding_window_attention(*leaves, cfg["w"], scale)
+    o.backward(do)
+    refs = _reference(q, k, v, do, None, cfg["w"], scale, None, torch.float32)
+    for name, out, exp in zip(NAMES, (o, lse, *(t.grad for t in leaves)), refs):
+        assert _rel(out, exp) < GPU_REL_TOL[torch.bfloat16], (fwd, bwd, name, _rel(out, exp))

@@ -52,7 +52,7 @@ def test_hopper_bf16_runs_triton_kernels(monkeypatch):
     assert c["sliding_window_attention"] == "triton"
     sm80 = dataclasses.replace(x, sm=(8, 0))
     assert chosen(sm80)["sliding_window_attention"] in ("flash_attn", "aten_fa2")
-    assert "on sm90 at head dims 33-128 only" in dict(
+    assert "on sm90 at head dims 33-128 both ways" in dict(
         routing.explain("sliding_window_attention", sm80))["triton"]
     # where FA-2 cannot serve (fp32), the Triton kernels run on any SM
     fp32 = dataclasses.replace(sm80, dtype=torch.float32)
@@ -61,10 +61,33 @@ def test_hopper_bf16_runs_triton_kernels(monkeypatch):
     # tiles were not measured against FA-2 keep FA-2 on sm90 too
     d64 = dataclasses.replace(x, head_dim_qk=64, head_dim_v=64)
     assert chosen(d64)["sliding_window_attention"] == "triton"
-    for dims in (32, 256):
+    for dims in (16, 32):
         other = dataclasses.replace(x, head_dim_qk=dims, head_dim_v=dims)
         assert chosen(other)["sliding_window_attention"] in ("flash_attn", "aten_fa2")
-        assert "33-128 only" in dict(routing.explain("sliding_window_attention", other))["triton"]
+        assert "33-128 both ways" in dict(
+            routing.explain("sliding_window_attention", other))["triton"]
+
+
+@pytest.mark.parametrize("dims", [160, 192, 256])
+def test_wide_equal_head_dims_route_window_by_direction(monkeypatch, dims):
+    """Head dims 129-256 with Dk == Dv: the Triton window forward beat FA-2 there on sm90, its
+    backward lost, so each direction runs its own row (the backward takes the forward's o and
+    lse whichever row made them)."""
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    fwd = Inputs("cuda", (9, 0), BF16, dims, dims, 16384)
+    bwd = dataclasses.replace(fwd, backward=True)
+    assert routing.choose("sliding_window_attention", fwd).impl == "triton"
+    assert routing.choose("sliding_window_attention", bwd).impl in ("flash_attn", "aten_fa2")
+    assert "129-256 forward only" in dict(routing.explain("sliding_window_attention", bwd))[
+        "triton"]
+    assert "backward" in bwd.summary() and "backward" not in fwd.summary()
+    # where FA-2 cannot serve the backward (fp32, another SM's kernels, no FA-2), Triton runs it
+    for x in (dataclasses.replace(bwd, dtype=torch.float32),
+              dataclasses.replace(bwd, head_dim_v=128)):
+        assert routing.choose("sliding_window_attention", x).impl == "triton"
+    # the other ops choose alike both ways
+    for op in ("compressed_attention", "selection_attention", "gate_combine"):
+        assert routing.choose(op, fwd).impl == routing.choose(op, bwd).impl
 
 
 def test_unequal_head_dims_route_window_to_triton(monkeypatch):

@@ -52,7 +52,7 @@ cuda sm80 bfloat16 Dk=128 Dv=128 T=65536 l=32 d=16
   select_blocks -> triton
   selection_attention -> triton
   sliding_window_attention -> aten_fa2
-    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 at head dims 33-128 only, with the tiles tuned there (H100, bf16, w=512; D=128 at T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window; D=64 at T = 16k / 64k: forward 0.47 / 1.86 against 1.11 / 5.87, backward 1.59 / 6.26 against 2.18 / 8.56); FA-2 runs here (force to override)
+    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 at head dims 33-128 both ways and 129-256 forward only, with the tiles tuned there (H100, bf16, w=512; D=128 at T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window; D=64 at T = 16k / 64k: forward 0.47 / 1.86 against 1.11 / 5.87, backward 1.59 / 6.26 against 2.18 / 8.56; H200, D=256 (HQ=32, H=2) / 192 / 160 (HQ=64, H=4) at 16k: forward 0.71 / 1.31 / 1.36 against 1.04 / 1.87 / 2.01, backward 4.02 / 8.04 / 8.04 against 3.76 / 5.62 / 5.95); FA-2 runs here (force to override)
     flash_attn refused: flash_attn is not importable
   gate_combine -> triton""")
 
@@ -65,7 +65,7 @@ cuda sm89 bfloat16 Dk=128 Dv=128 T=4096 l=32 d=16
   selection_attention -> packed_sdpa
     triton deferred: sm89 (Ada) runs packed SDPA by design: the kernels are tuned for the 164-228 KB of shared memory per SM of sm80/sm90/sm100, Ada has 100 KB (force to override)
   sliding_window_attention -> aten_fa2
-    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 at head dims 33-128 only, with the tiles tuned there (H100, bf16, w=512; D=128 at T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window; D=64 at T = 16k / 64k: forward 0.47 / 1.86 against 1.11 / 5.87, backward 1.59 / 6.26 against 2.18 / 8.56); FA-2 runs here (force to override)
+    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 at head dims 33-128 both ways and 129-256 forward only, with the tiles tuned there (H100, bf16, w=512; D=128 at T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window; D=64 at T = 16k / 64k: forward 0.47 / 1.86 against 1.11 / 5.87, backward 1.59 / 6.26 against 2.18 / 8.56; H200, D=256 (HQ=32, H=2) / 192 / 160 (HQ=64, H=4) at 16k: forward 0.71 / 1.31 / 1.36 against 1.04 / 1.87 / 2.01, backward 4.02 / 8.04 / 8.04 against 3.76 / 5.62 / 5.95); FA-2 runs here (force to override)
     flash_attn refused: flash_attn is not importable
   gate_combine -> triton""")
 
@@ -99,7 +99,7 @@ cuda sm100 bfloat16 Dk=128 Dv=128 T=65536 l=32 d=16
   select_blocks -> triton
   selection_attention -> triton
   sliding_window_attention -> aten_fa2
-    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 at head dims 33-128 only, with the tiles tuned there (H100, bf16, w=512; D=128 at T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window; D=64 at T = 16k / 64k: forward 0.47 / 1.86 against 1.11 / 5.87, backward 1.59 / 6.26 against 2.18 / 8.56); FA-2 runs here (force to override)
+    triton deferred: the Triton window kernels were measured faster than FA-2 on sm90 at head dims 33-128 both ways and 129-256 forward only, with the tiles tuned there (H100, bf16, w=512; D=128 at T = 8k / 64k / 128k: forward 0.43 / 3.55 / 7.33 ms against 0.69 / 5.63 / 11.24, backward 1.56 / 13.09 / 25.03 against 1.86 / 14.86 / 30.16, bench_kernels.py --kernels window; D=64 at T = 16k / 64k: forward 0.47 / 1.86 against 1.11 / 5.87, backward 1.59 / 6.26 against 2.18 / 8.56; H200, D=256 (HQ=32, H=2) / 192 / 160 (HQ=64, H=4) at 16k: forward 0.71 / 1.31 / 1.36 against 1.04 / 1.87 / 2.01, backward 4.02 / 8.04 / 8.04 against 3.76 / 5.62 / 5.95); FA-2 runs here (force to override)
     flash_attn refused: flash_attn is not importable
   gate_combine -> triton""")
 
