@@ -5,9 +5,10 @@ nsa_attention's eager path (nsa_ops.eager), which runs the ops' bodies, records 
 
 Logging, on the `nsa_ops` logger: at INFO, the first time each (op, direction, impl, dtype,
 device type) runs, the implementation that served it ("nsa.<op> backward runs ..." for a backward
-op) and why every row ahead of it in the routing table refused or deferred; at DEBUG, every call. Routing never reads tensor values, so neither does
-this: no device sync. Nothing is logged while torch.compile traces. NSA_OPS_LOG=info|debug
-installs a stderr handler on that logger (and stops its propagation, so lines print once).
+op) and why every row ahead of it in the routing table refused or deferred; at DEBUG, every
+call. Routing never reads tensor values, so neither does this: no device sync. Nothing is logged
+while torch.compile traces. NSA_OPS_LOG=info|debug installs a stderr handler on that logger (and
+stops its propagation, so lines print once).
 
 Parity: `parity(fraction)` or NSA_OPS_PARITY recompute every round(1/fraction)-th forward call of
 each op (the first included) with the reference in float32 (float64 for float64 inputs), log the
