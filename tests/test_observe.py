@@ -56,6 +56,18 @@ def test_info_names_the_impl_and_the_refusals_once_per_combination(caplog):
     assert "float64" in lines[1]
 
 
+def test_info_names_the_backward_direction_once(caplog):
+    """A backward op is routed on its own (routing.Inputs.backward): its line says so, once."""
+    caplog.set_level(logging.INFO, logger="nsa_ops")
+    q, k, v = qkv(1, 40, 4, 2, 16, 16, torch.float32, seed=3, requires_grad=True)
+    for _ in range(2):
+        o, _ = torch.ops.nsa.sliding_window_attention(q, k, v, 16, 0.25)
+        o.sum().backward()
+    assert len(_lines(caplog, "nsa.sliding_window_attention runs reference")) == 1
+    lines = _lines(caplog, "nsa.sliding_window_attention backward runs reference")
+    assert len(lines) == 1 and "for float32 on cpu" in lines[0]
+
+
 def test_debug_logs_every_call_and_backward(caplog):
     caplog.set_level(logging.DEBUG, logger="nsa_ops")
     q, k, v = qkv(1, 40, 4, 2, 16, 16, seed=3, requires_grad=True)
