@@ -750,7 +750,11 @@ _TILES = {
 # -> 2.98. Past that they lose: 64k, l = 32, d = 16 (4095 rows), G = 16 forward 10.42 against
 # 11.66-12.04, backward 38.23 against 38.85-39.08 with dq at (64, 64, 4, 2); G = 4 2.58 against
 # 3.21, 9.86 against 9.97. The dK dV tile stays: nine tiles x four split counts at 8k and 16k
-# (H100) read 0.99-2.30 / 2.87-8.22 ms against 1.01 / 3.01 for the tier's.
+# (H100) read 0.99-2.30 / 2.87-8.22 ms against 1.01 / 3.01 for the tier's. Tier 1 keeps its tiles
+# at any length: H100, 8k, Dk = 192 / Dv = 128 the best of six others gained 3-4% (forward (64, 32,
+# 4, 3) 0.39 against 0.41 ms, backward with dq at (64, 32, 4, 2) 1.78 against 1.85), D = 256 (HQ
+# = 32, H = 2) none lost less than 1% (forward 0.28-0.54 against 0.28, backward 1.40-1.77 against
+# 1.40), and at 16k both lost on most.
 SHORT_KEYS = 1024
 _SHORT_TILES = {"fwd": (64, 32, 4, 3), "dq": (64, 64, 4, 2)}
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
