@@ -752,9 +752,9 @@ _TILES = {
 # 3.21, 9.86 against 9.97. The dK dV tile stays: nine tiles x four split counts at 8k and 16k
 # (H100) read 0.99-2.30 / 2.87-8.22 ms against 1.01 / 3.01 for the tier's. Tier 1 keeps its tiles
 # at any length: H100, 8k, Dk = 192 / Dv = 128 the best of six others gained 3-4% (forward (64, 32,
-# 4, 3) 0.39 against 0.41 ms, backward with dq at (64, 32, 4, 2) 1.78 against 1.85), D = 256 (HQ
-# = 32, H = 2) none lost less than 1% (forward 0.28-0.54 against 0.28, backward 1.40-1.77 against
-# 1.40), and at 16k both lost on most.
+# 4, 3) 0.39 against 0.41 ms, backward with dq at (64, 32, 4, 2) 1.78 against 1.85); at D = 256
+# (HQ = 32, H = 2) none beat it (forward 0.28-0.54 against 0.28, backward 1.40-1.77 against 1.40);
+# at 16k every other forward tile lost at both and dq gained 2% at most.
 SHORT_KEYS = 1024
 _SHORT_TILES = {"fwd": (64, 32, 4, 3), "dq": (64, 64, 4, 2)}
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
