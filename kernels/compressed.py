@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
+from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, launch_options, pow2,
                                    row_bytes, unit_last_stride)
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
@@ -171,24 +172,6 @@ def _fwd_kernel(Q, K, V, O, LSE, SEQ, POS, CMP_CU,
 # --------------------------------------------------------------------------------------------
 # Backward: delta preprocessing, dq (query-centric) and dk/dv (key-centric)
 # --------------------------------------------------------------------------------------------
-
-@triton.jit
-def _delta_kernel(O, DO, DLSE, DELTA, sob, sot, soh, sdb, sdt, sdh, T, HQ,
-                  DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                  HAS_DLSE: tl.constexpr):
-    """delta = rowsum(dO * O) - dlse, fp32 [B, T, HQ] (dS = P * (dP - delta))."""
-    b = tl.program_id(1).to(tl.int64)
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    valid = r < T * HQ
-    tok = r // HQ
-    hq = r % HQ
-    o = _load_rows(O + b * sob, tok, hq, sot, soh, DV, DV_PAD, valid).to(tl.float32)
-    do = _load_rows(DO + b * sdb, tok, hq, sdt, sdh, DV, DV_PAD, valid).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + b * T * HQ + r, mask=valid, other=0.0)
-    tl.store(DELTA + b * T * HQ + r, delta, mask=valid)
-
 
 @triton.jit
 def _dq_step(q, do, lse2, delta, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, dq, qk_scale,
@@ -910,18 +893,6 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     return o, lse
 
 
-def _delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
-    """rowsum(dO * O) - dlse as fp32 [B, T, HQ]."""
-    B, T, HQ, DV = o.shape
-    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=o.device)
-    block_r = max(16, 4096 // _pad(DV))
-    dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
-    launch(_delta_kernel)[(triton.cdiv(T * HQ, block_r), B)](
-        o, do, dlse, delta, *_s(o, 0, 1, 2), *_s(do, 0, 1, 2), T, HQ,
-        DV=DV, DV_PAD=_pad(DV), BLOCK_R=block_r, HAS_DLSE=dlse is not None)
-    return delta
-
-
 def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor, lse: Tensor,
                              do: Tensor, dlse: Optional[Tensor], block_len: int,
                              block_stride: int, scale: float,
@@ -938,7 +909,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k_cmp, v_cmp))
     if B * T * HQ == 0:
         return dq, dk.zero_(), dv.zero_()
-    delta = _delta(o, do, dlse)
+    delta = row_delta(o, do, dlse)
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, with_keys=True,
                   seqlen_k=seqlen_k, cu_seqlens_k=cu_seqlens_k)
     common = dict(L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK),

@@ -32,6 +32,16 @@ rows. One program per (chunk, key tile) recomputes P and dS for its rows with [B
 atomically adds its partial dk/dv into fp32 buffers; only blocks spanning several chunks contend.
 Under torch.use_deterministic_algorithms(True) the chunks of a block add in chunk order instead
 (kernels/ordered.py), so gradients are bitwise reproducible.
+
+dq can instead come after dk/dv, from the dS the dK dV pass works out anyway and stores
+(`_dq_ds_kernel`, `_stored_ds`: the default where its buffer fits): each (query, block) then
+gathers K alone, with one dot, where `_dq_kernel` gathers K and V and works P and dS out again.
+H100, bf16, spec geometry, whole selection backward, three interleaved rounds, recomputed ->
+stored: random selections at 8k / 16k / 64k 3.74-3.75 / 7.74-8.06 / 34.02-34.04 -> 3.64-3.65 /
+7.10-7.13 / 29.88-30.16 ms; runs of 64 tokens selecting alike 2.84-2.85 / 5.84-6.00 /
+24.84-25.15 -> 3.20 / 6.22-6.35 / 25.70-26.01 (dq's shared pass already served most of their
+blocks; a pass of its own for delta, and the index, which hid behind the dq kernel, now runs
+before dK dV: the eager layer starts it early, `backward_index`).
 """
 from __future__ import annotations
 
@@ -45,6 +55,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels import ordered
+from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, pow2, tma_descriptors,
                                    tma_kv_reason, traced, unit_last_stride, use_tma)
 from nsa_ops.reference import query_keys
@@ -166,6 +177,14 @@ def _shared_list(rows, real, c):
 
 
 @triton.jit
+def _listed_slots(rows, listed, count):
+    """[R, NP]: where the slot of rows [R, NP] names one of the blocks listed[:count]."""
+    slots = tl.arange(0, rows.shape[1])
+    listed_now = (listed[None, None, :] == rows[:, :, None]) & (slots < count)[None, None, :]
+    return tl.max(listed_now.to(tl.int32), axis=2) > 0
+
+
+@triton.jit
 def _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H: tl.constexpr, c):
     """Writes the walk's rows (`_token_blocks` with TT > 0) for the group's queries toks [TT]
     into rest (shaped like block_idx): each query's distinct blocks less the shared ones
@@ -175,8 +194,7 @@ def _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H: tl.constexp
     block was shared, since a shared block leaves every row). One program works them out for
     TT queries, rather than every per-token program for its group again."""
     slots = tl.arange(0, rows.shape[1])
-    listed_now = (listed[None, None, :] == rows[:, :, None]) & (slots < count)[None, None, :]
-    keep = _distinct(rows) & (tl.max(listed_now.to(tl.int32), axis=2) == 0)
+    keep = _distinct(rows) & ~_listed_slots(rows, listed, count)
     front, kept = _compact(rows, keep)
     own = tl.max(((listed == c) & (slots < count)).to(tl.int32), axis=0) > 0
     front = tl.where(slots[None, :] < kept[:, None], front,
@@ -396,8 +414,9 @@ def _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC: tl.constex
 # backward 20.92 / 12.13 ms against the best of 18 configs 20.00 / 12.13.
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
 TMA_CONFIGS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 3))
-_PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2),
-                   "fwd_fp32": (2, 2), "dq_fp32": (4, 2), "fwd_wide": (2, 2)}
+_PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2), "dq_ds": (2, 3),
+                   "fwd_fp32": (2, 2), "dq_fp32": (4, 2), "dq_ds_fp32": (4, 2),
+                   "fwd_wide": (2, 2)}
 
 
 def _wide(dkp: int, dvp: int) -> bool:
@@ -501,6 +520,38 @@ def _shared_pass(shared: Optional[bool], reason: Optional[str], G: int, bn: int,
 SHARED_DQ_MIN = 4
 _SHARED_DQ_PICK = (4, 2)
 _SHARED_DQ_PROGRAMS = 2
+
+
+# dq from stored dS (`_dq_ds_kernel`): the dK dV pass, which works P and dS out for every
+# (query, selected block) anyway, stores dS, and dq sums dS K reading K alone: half the gathered
+# bytes of the dq kernel, which reads K and V to work out P and dS again, and one dot instead of
+# three. The cost is a dS buffer of B * T * HQ * n * l' values (128 KB a token at the spec's
+# geometry in bf16: 1 GiB at 8k, 8 GiB at 64k), so it runs where that takes at most
+# 1 / STORED_DS_SHARE of the GPU's memory, and a pass of its own for delta.
+STORED_DS_SHARE = 8
+
+
+def _stored_ds_reason(q: Tensor, n: int, sel_block: int) -> Optional[str]:
+    """Why the backward works dq out from K and V again (`_dq_kernel`) instead of summing it from
+    the dS its dK dV pass stores (None: it can store them)."""
+    B, T, HQ = q.shape[:3]
+    if not isinstance(T, int):
+        return "the length is symbolic (a dynamic-length trace): the dS buffer has no known size"
+    need = B * T * HQ * n * sel_block * q.element_size()
+    if q.is_cuda:
+        budget = torch.cuda.get_device_properties(q.device).total_memory // STORED_DS_SHARE
+        if need > budget:
+            return (f"the dS buffer ({need / 2 ** 30:.1f} GiB) would take over "
+                    f"1/{STORED_DS_SHARE} of the GPU's memory")
+    return None
+
+
+def _stored_ds(choice: Optional[bool], reason: Optional[str]) -> bool:
+    """Whether the backward stores dS (`selection_attention_bwd`'s stored_ds): None where reason
+    is None; True forces it (ValueError with the reason where it cannot), False leaves it."""
+    if choice and reason is not None:
+        raise ValueError(f"stored_ds=True: {reason}")
+    return reason is None if choice is None else choice
 
 
 def _num_groups(T: int, off: int, group: int) -> int:
@@ -662,9 +713,9 @@ def _shared_fwd_kernel(q, k, v, o, lse, bidx, rest, OFF, sq_b, sq_t, sq_h, sk_b,
 
 
 @triton.jit
-def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, OFF, T, N,
+def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, passed_slots, OFF, T, N,
                     H: tl.constexpr, SEL: tl.constexpr, TT: tl.constexpr, NP: tl.constexpr,
-                    MIN_SHARED: tl.constexpr):
+                    MIN_SHARED: tl.constexpr, STORED_DS: tl.constexpr):
     """Which groups of TT queries dq's shared pass (`_shared_dq_kernel`) takes: one program per
     (group, batch * KV head) lists the blocks before the group's own that all its queries
     selected; where there are at least MIN_SHARED of them, appends the group (group * B * H +
@@ -673,7 +724,9 @@ def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, OFF, T, N,
     Below MIN_SHARED the walk does it all: dq over the forced blocks alone (0 and the one before
     the group's own) costs a pass more than it saves the walk. The pass takes the groups in
     whatever order they were appended; each group's dq comes from one program alone, so the
-    order changes no bit."""
+    order changes no bit. STORED_DS: also writes, per query, the slots whose blocks the pass
+    takes as bits into passed_slots [B, T, H] (int64), so that the dK dV pass stores no dS for
+    them (`_dq_ds_kernel` never reads it)."""
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
@@ -683,6 +736,10 @@ def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, OFF, T, N,
     listed, count = _shared_list(rows, real, base // SEL - 1)
     count = tl.where(count >= MIN_SHARED, count, 0)
     _rest_rows(rest, rows, real, listed, count, toks, b, h, T, N, H, base // SEL)
+    if STORED_DS:
+        bits = tl.where(_listed_slots(rows, listed, count),
+                        tl.full([1, NP], 1, tl.int64) << tl.arange(0, NP)[None, :].to(tl.int64), 0)
+        tl.store(passed_slots + (b * T + toks) * H + h, tl.sum(bits, axis=1), mask=real)
     if count > 0:
         at = tl.atomic_add(plan_len, 1)
         tl.store(plan + at, tl.program_id(0).to(tl.int64) * tl.num_programs(1) + bh)
@@ -698,12 +755,13 @@ def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, plan, plan_blocks, p
                       H: tl.constexpr, G: tl.constexpr, GPD: tl.constexpr, DK: tl.constexpr,
                       DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                       SEL: tl.constexpr, BN: tl.constexpr, TT: tl.constexpr, NP: tl.constexpr,
-                      HAS_DLSE: tl.constexpr, PREC: tl.constexpr):
+                      HAS_DLSE: tl.constexpr, PREC: tl.constexpr, DELTA_DONE: tl.constexpr):
     """The forward's shared pass (`_shared_fwd_kernel`) for dq: for each group of TT queries
     `_dq_plan_kernel` planned, the dq of its TT x G rows as one tile over the blocks before
     their own that all of them selected, scaled, in dq's dtype, into dq, for the walk
-    (`_dq_kernel`, TT > 0) to add to, and their delta = rowsum(dO * O) - dlse, which the walk
-    then need not work out again.
+    (`_dq_kernel` or `_dq_ds_kernel`, TT > 0) to add to, and their delta = rowsum(dO * O) -
+    dlse, which the walk then need not work out again (DELTA_DONE: read from delta, where a
+    pass of its own wrote every row's).
     Persistent: the programs stride over the plan, whose length only the GPU knows, so that a
     plan with few groups (random selections) costs no launch of one program per group."""
     scale = tl.cast(scale, tl.float32)
@@ -718,10 +776,13 @@ def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, plan, plan_blocks, p
         toks, rmask, heads = _group_tile(base, OFF, T, h, G, GPD, TT)
         qt = _load_tile(q, b * sq_b + toks * sq_t + heads * sq_h, rmask, DK, DKP)
         dot_ = _load_tile(do, b * sdo_b + toks * sdo_t + heads * sdo_h, rmask, DV, DVP)
-        ot = _load_tile(o, b * so_b + toks * so_t + heads * so_h, rmask, DV, DVP)
         stat = (b * T + toks) * (H * G) + heads
-        dlt = _delta(dot_, ot, dlse, stat, rmask, HAS_DLSE)
-        tl.store(delta + stat, dlt, mask=rmask)
+        if DELTA_DONE:
+            dlt = tl.load(delta + stat, mask=rmask, other=0.0)
+        else:
+            ot = _load_tile(o, b * so_b + toks * so_t + heads * so_h, rmask, DV, DVP)
+            dlt = _delta(dot_, ot, dlse, stat, rmask, HAS_DLSE)
+            tl.store(delta + stat, dlt, mask=rmask)
         lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
         acc = tl.zeros([TT * GPD, DKP], tl.float32)
         # blocks before the group's own: every key is visible to every query of the group
@@ -732,6 +793,31 @@ def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, plan, plan_blocks, p
                                DK, DV, DKP, DVP)
             acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)
         _store_tile(dq, b * sdq_b + toks * sdq_t + heads * sdq_h, rmask, acc * scale, DK, DKP)
+
+
+@triton.jit
+def _pass_took(row, N, NP: tl.constexpr, TT: tl.constexpr):
+    """Whether dq's shared pass (`_shared_dq_kernel`) took any of the query's blocks and wrote
+    its dq rows, which its `_rest_rows` row then marks (-3); never without the pass (TT = 0)."""
+    if TT > 0:
+        slots = tl.arange(0, NP)
+        return tl.max((tl.load(row + slots, mask=slots < N, other=-1) < -1).to(tl.int32),
+                      axis=0) > 0
+    return tl.zeros([], tl.int1)
+
+
+@triton.jit
+def _store_dq(acc, dq, dq_add0, dq_add1, rows, gmask, passed, DK: tl.constexpr,
+              DKP: tl.constexpr, ADDS: tl.constexpr, TT: tl.constexpr):
+    """Writes a walk's dq rows (acc, scaled): plus what dq's shared pass wrote there (passed)
+    and the first ADDS of dq_add0, dq_add1, in fp32, rounded once."""
+    if TT > 0:
+        acc += _load_tile(dq, rows, tl.where(passed, gmask, False), DK, DKP).to(tl.float32)
+    if ADDS > 0:
+        acc += _load_tile(dq_add0, rows, gmask, DK, DKP).to(tl.float32)
+    if ADDS > 1:
+        acc += _load_tile(dq_add1, rows, gmask, DK, DKP).to(tl.float32)
+    _store_tile(dq, rows, gmask, acc, DK, DKP)
 
 
 @triton.jit
@@ -763,12 +849,7 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
     dot_ = _load_tile(do, b * sdo_b + t * sdo_t + heads * sdo_h, gmask, DV, DVP)
     row, kept, first_slot, n_walk, start, last, _ = _token_blocks(
         bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, TT)
-    if TT > 0:  # whether the dq pass took any of the query's blocks (and wrote its delta)
-        slots = tl.arange(0, NP)
-        passed = tl.max((tl.load(row + slots, mask=slots < N, other=-1) < -1).to(tl.int32),
-                        axis=0) > 0
-    else:
-        passed = tl.zeros([], tl.int1)
+    passed = _pass_took(row, N, NP, TT)  # (and wrote the rows' delta)
     mine = tl.where(passed, False, gmask)
     stat = (b * T + t) * (H * G) + heads
     ot = _load_tile(o, b * so_b + t * so_t + heads * so_h, mine, DV, DVP)
@@ -784,25 +865,67 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
         kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
         acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)
-    rows = b * sdq_b + t * sdq_t + heads * sdq_h
-    acc *= scale
-    if TT > 0:
-        acc += _load_tile(dq, rows, tl.where(passed, gmask, False), DK, DKP).to(tl.float32)
-    if ADDS > 0:
-        acc += _load_tile(dq_add0, rows, gmask, DK, DKP).to(tl.float32)
-    if ADDS > 1:
-        acc += _load_tile(dq_add1, rows, gmask, DK, DKP).to(tl.float32)
-    _store_tile(dq, rows, gmask, acc, DK, DKP)
+    _store_dq(acc * scale, dq, dq_add0, dq_add1, b * sdq_b + t * sdq_t + heads * sdq_h, gmask,
+              passed, DK, DKP, ADDS, TT)
 
 
 @triton.jit
-def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync,
+def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ,
+                  sk_b, sk_t, sk_h, sdq_b, sdq_t, sdq_h, T, N, scale,
+                  H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
+                  DKP: tl.constexpr, SEL: tl.constexpr, BN: tl.constexpr, NP: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, ADDS: tl.constexpr, TT: tl.constexpr,
+                  PREC: tl.constexpr):
+    """dq of one (token, group) as the sum over its selected keys of dS K, with dS as the dK dV
+    pass stored it (`_dkdv_kernel`, STORE_DS; ds [B, T, H * G, N, SEL] by the slot of the block
+    in block_idx): only K is read, one dot per tile, where `_dq_kernel` reads K and V and works
+    P and dS out again. Adds dq_add0 / dq_add1 as `_dq_kernel` does. TT > 0: the shared pass ran,
+    bidx holds its `_rest_rows` and orig the block_idx rows, where a block's slot is found."""
+    scale = tl.cast(scale, tl.float32)
+    t = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    heads = h * G + g
+    row, kept, first_slot, n_walk, start, last, _ = _token_blocks(
+        bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, TT)
+    passed = _pass_took(row, N, NP, TT)
+    slots = tl.arange(0, NP)
+    if TT > 0:
+        named = tl.load(orig + ((b * T + t) * H + h) * N + slots, mask=slots < N, other=-1)
+    ds_rows = ((b * T + t) * (H * G) + heads) * N
+
+    acc = tl.zeros([GP, DKP], tl.float32)
+    NSUB: tl.constexpr = (SEL + BN - 1) // BN
+    for it in range(first_slot * NSUB, n_walk * NSUB):
+        _, toks, kmask = _tile_keys(row, kept, it, start, last, SEL, BN, NP)
+        if TT > 0:  # the first slot naming the walk's block: the one the dK dV pass wrote
+            blk = _slot_block(row, kept, it // NSUB, NP)
+            slot = tl.min(tl.where(named == blk, slots, NP), axis=0)
+        else:
+            slot = it // NSUB
+        sub = (it % NSUB) * BN + tl.arange(0, BN)
+        kcols = tl.arange(0, DKP)
+        kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
+                     mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
+        dst = tl.load(ds + (ds_rows + slot)[:, None] * SEL + sub[None, :],
+                      mask=gmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.dot(dst, kt, input_precision=PREC)
+    _store_dq(acc * scale, dq, dq_add0, dq_add1, b * sdq_b + t * sdq_t + heads * sdq_h, gmask,
+              passed, DK, DKP, ADDS, TT)
+
+
+@triton.jit
+def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos, ent_slot,
+                 passed_slots, sync,
                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
-                 T, TK, scale, qk_scale,
+                 T, TK, N, scale, qk_scale,
                  H: tl.constexpr, G: tl.constexpr, GP2: tl.constexpr, DK: tl.constexpr,
                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
-                 ORDERED: tl.constexpr):
+                 ORDERED: tl.constexpr, STORE_DS: tl.constexpr, SKIP_PASSED: tl.constexpr):
     """Partial dk/dv of one key tile from one chunk of the queries that selected its block.
 
     chunks[pid] = (first entry, end entry, b * H + h, first token of the block), int64; entries
@@ -810,7 +933,10 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync
     key positions they sit at (T queries over TK keys). Rows of a [BM, *] tile are (query, head)
     pairs. ORDERED (the deterministic mode, kernels/ordered.py): a 1-D grid of tickets,
     chunk-major, and the chunks of one block add into dk/dv in chunk order instead of
-    atomically.
+    atomically. STORE_DS: also writes each row's dS (unscaled, in q's dtype, as the dK dot takes
+    it) into ds [B, T, H * G, N, SEL] at the slot ent_slot names, for `_dq_ds_kernel`;
+    SKIP_PASSED: not for the slots `_dq_plan_kernel` marked in passed_slots (dq's shared pass
+    took their blocks).
     """
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
@@ -865,8 +991,17 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync
             pT = tl.where(rmask[None, :] & (toks[:, None] <= tpos[None, :]), pT, 0.0)
             dv_acc += tl.dot(pT.to(dot_.dtype), dot_, input_precision=PREC)
             dpT = tl.dot(vt, tl.trans(dot_), input_precision=PREC)
-            dsT = pT * (dpT - dlt[None, :])
-            dk_acc += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PREC)
+            dsT = (pT * (dpT - dlt[None, :])).to(qT.dtype)
+            dk_acc += tl.dot(dsT, tl.trans(qT), input_precision=PREC)
+            if STORE_DS:
+                slot = tl.load(ent_slot + ent, mask=rmask, other=0).to(tl.int64)
+                store = rmask
+                if SKIP_PASSED:
+                    passed = tl.load(passed_slots + (b * T + tq) * H + h, mask=rmask, other=0)
+                    store = store & (((passed >> slot) & 1) == 0)
+                at = (((b * T + tq) * (H * G) + heads) * N + slot) * SEL
+                tl.store(ds + at[None, :] + offs[:, None], dsT,
+                         mask=store[None, :] & (offs[:, None] < SEL))
 
         out = (b * TK + toks) * H + h
         dk_ptr = dk + out[:, None] * DK + kcols[None, :]
@@ -990,12 +1125,14 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
         raise ValueError(f"q must have B == 1 with cu_seqlens (packed sequences), got B={B}")
 
 
-def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
-                queries_per_chunk: int, token_major: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries, queries_per_chunk: int,
+                token_major: bool, with_slots: bool
+                ) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
     """Inverse of block_idx, chunked: which queries selected each (batch, KV head, block).
 
     Returns ent_tok int32 [E] (query token of each valid (b, t, h, slot) entry, grouped by block,
-    ascending inside a block), ent_pos int32 [E] (the key position that query sits at) and
+    ascending inside a block), ent_pos int32 [E] (the key position that query sits at), with_slots:
+    ent_slot int32 [E] (the slot of the entry in its row; else None) and
     chunks int64 [P, 4] = (first entry, end entry, b * H + h, first key token of the block):
     E = B*T*H*n passes 2**31 at long T. P is a bound known from shapes alone; chunks past the
     real count are empty (end == first). A block a row names twice keeps one live entry: the
@@ -1031,6 +1168,7 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
     repeat[1:] = (key[1:] == key[:-1]) & (row[1:] == row[:-1])
     ent_tok = torch.where(repeat, -1, ent).to(torch.int32)
     ent_pos = key_pos[ent].to(torch.int32)
+    ent_slot = (order % n).to(torch.int32) if with_slots else None
 
     bounds = torch.searchsorted(key, torch.arange(num_keys + 1, device=device, dtype=key_dtype))
     lo, hi = bounds[:-1], bounds[1:]
@@ -1052,7 +1190,7 @@ def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries,
         first_query = ent_pos[e0].to(torch.int64)  # e0 < E: unreal chunks hold 0
         rank = torch.where(e1 > e0, chunks[:, 2] * (Tk + 1) + first_query, B * H * (Tk + 1))
         chunks = chunks[torch.argsort(rank)]
-    return ent_tok, ent_pos, chunks
+    return ent_tok, ent_pos, ent_slot, chunks
 
 
 # --------------------------------------------------------------------------------------------
@@ -1138,18 +1276,82 @@ def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
                 BN=_key_tile_size("fwd_tma" if tma else "fwd", sel_block, dkp, dvp))
 
 
+class BackwardIndex(NamedTuple):
+    """The dK dV pass's inverse index (`_key_chunks`'s four tensors), started by
+    `backward_index` before the backward needs it. ready: the side stream's event once it is
+    built (None: built on the current stream); recipe: what it was built for (`_index_recipe`)."""
+    ent_tok: Tensor
+    ent_pos: Tensor
+    ent_slot: Optional[Tensor]
+    chunks: Tensor
+    ready: Optional[torch.cuda.Event]
+    recipe: tuple
+
+
+def _index_recipe(q: Tensor, k: Tensor, v: Tensor, stored: bool, sel_block: int) -> tuple:
+    """(queries per chunk, token-major chunks, with slots): the index the backward of these
+    inputs reads, in `_key_chunks`' argument order."""
+    gp2 = pow2(q.shape[2] // k.shape[2])
+    _, bm, _, _ = _dkdv_config(q.dtype, sel_block, pow2(q.shape[3], 16), pow2(v.shape[3], 16),
+                               gp2)
+    ordered_adds = torch.are_deterministic_algorithms_enabled()
+    return bm // gp2 * max(1, ROWS_PER_CHUNK // bm), not ordered_adds, stored
+
+
+def _start_index(bidx: Tensor, sel_block: int, queries: _Queries, recipe: tuple,
+                 fork: Optional[torch.cuda.Event]) -> BackwardIndex:
+    """The index of recipe, its some 60 small torch kernels on the side stream from event fork
+    (a GPU, eager) or on the current stream (fork None)."""
+    side = _index_stream(bidx.device) if fork is not None else None
+    if side is not None:
+        side.wait_event(fork)
+    with torch.cuda.stream(side):  # no-op for None: the current stream
+        tensors = _key_chunks(bidx, sel_block, queries, *recipe)
+        ready = side.record_event() if side is not None else None
+    return BackwardIndex(*tensors, ready, recipe)
+
+
+def _fork(device: torch.device) -> Optional[torch.cuda.Event]:
+    """The event the side stream starts the index from (None: no side stream, the CPU or a
+    launch traced for AOTInductor)."""
+    if device.type != "cuda" or traced():
+        return None
+    return torch.cuda.current_stream(device).record_event()
+
+
+def backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
+                   cu_seqlens: Optional[Tensor] = None, *,
+                   cu_seqlens_k: Optional[Tensor] = None,
+                   stored_ds: Optional[bool] = None) -> BackwardIndex:
+    """Starts the inverse index `selection_attention_bwd` on these inputs reads (its index=),
+    on a GPU on the side stream, so that it builds while other work runs: the eager layer starts
+    it before the window and compressed backward (nsa_ops.eager)."""
+    _check(q, k, v, block_idx, sel_block, cu_seqlens)
+    stored = _stored_ds(stored_ds, _stored_ds_reason(q, block_idx.shape[3], sel_block))
+    bidx = block_idx.to(torch.int32).contiguous()
+    queries = _Queries(q.shape[1], k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
+    return _start_index(bidx, sel_block, queries, _index_recipe(q, k, v, stored, sel_block),
+                        _fork(q.device))
+
+
 def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                             dlse: Optional[Tensor], block_idx: Tensor, sel_block: int,
                             scale: float, cu_seqlens: Optional[Tensor] = None, *,
                             cu_seqlens_k: Optional[Tensor] = None,
                             dq_add: Sequence[Tensor] = (),
-                            shared: Optional[bool] = None
+                            shared: Optional[bool] = None,
+                            stored_ds: Optional[bool] = None,
+                            index: Optional[BackwardIndex] = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None. dq_add: up
     to two gradients shaped like q that dq comes back summed with (the layer's other branches'
     dq), added in fp32 in the dq kernel's epilogue: no pass of their own. shared: run dq's
     shared pass first (`_shared_dq_kernel`; None: where `_shared_pass` allows, never for fp32),
-    which hands the walk its share of dq rounded to dq's dtype."""
+    which hands the walk its share of dq rounded to dq's dtype. stored_ds: the dK dV pass runs
+    first and stores dS, from which dq is summed (`_dq_ds_kernel`; None: where
+    `_stored_ds_reason` allows; True forces it, False works dq out from K and V again). index:
+    the dK dV pass's inverse index as `backward_index` started it on the same inputs (None: built
+    here, on a GPU on the side stream while the passes before dK dV run)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1172,15 +1374,21 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
-    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    stored = _stored_ds(stored_ds, _stored_ds_reason(q, n, sel_block))
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     prec = dot_precision(q.dtype)
     # dq's layout, so that the kernel reads them at dq's offsets
     adds = [x.contiguous() for x in dq_add]
+    recipe = _index_recipe(q, k, v, stored, sel_block)
+    if index is not None and index.recipe != recipe:
+        raise ValueError(f"index: built for (queries per chunk, token-major, with slots) = "
+                         f"{index.recipe}, this backward reads {recipe}")
     # the dK dV kernel's inverse index (some 60 small torch kernels) depends on block_idx alone:
-    # on a GPU it is built on a side stream, from before the dq kernels, while they run
-    side = _index_stream(q.device) if q.is_cuda and not traced() else None
-    fork = torch.cuda.current_stream(q.device).record_event() if side is not None else None
+    # on a GPU it is built on a side stream, from before the passes that precede dK dV
+    fork = _fork(q.device) if index is None else None
+    # the dK dV pass reads delta: with stored dS it runs before dq, so delta gets a pass of its own
+    delta = row_delta(o, do, dlse) if stored else \
+        torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     bn = _key_tile_size("dq", sel_block, dkp, dvp)
     group = _shared_pass(shared, _shared_reason(queries.varlen, G, bn), G, bn, q.dtype)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
@@ -1197,40 +1405,51 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         plan_blocks = torch.empty(num_groups * B * H, pow2(n), dtype=torch.int32,
                                   device=q.device)
         plan_len = torch.zeros(1, dtype=torch.int32, device=q.device)
+        passed_slots = torch.empty(B, T, H, dtype=torch.int64, device=q.device) if stored \
+            else plan_len
         launch(_dq_plan_kernel)[(num_groups, B * H)](
-            bidx, rows, plan, plan_blocks, plan_len, off, T, n, H=H, SEL=sel_block, TT=group,
-            NP=pow2(n), MIN_SHARED=SHARED_DQ_MIN, num_warps=1)
+            bidx, rows, plan, plan_blocks, plan_len, passed_slots, off, T, n, H=H, SEL=sel_block,
+            TT=group, NP=pow2(n), MIN_SHARED=SHARED_DQ_MIN, STORED_DS=stored, num_warps=1)
         num_warps, num_stages = _SHARED_DQ_PICK
         launch(_shared_dq_kernel)[(min(plan.numel(), _persistent_programs(q.device)),)](
             q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, plan, plan_blocks,
             plan_len, off, B * H, *strides, T, scale, qk_scale, GPD=pow2(G), TT=group,
-            **constants, num_warps=num_warps, num_stages=num_stages)
-    launch(_dq_kernel)[(T, B * H)](
-        q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq,
-        *(adds + [dq] * (2 - len(adds))), rows, *queries.kernel_args(bidx), *strides,
-        T, n, scale, qk_scale, GP=pow2(G, 16), IS_VARLEN=queries.varlen, ADDS=len(adds),
-        TT=group, **constants, **_per_token_launch("dq", q.dtype))
+            DELTA_DONE=stored, **constants, num_warps=num_warps, num_stages=num_stages)
+    dq_adds = adds + [dq] * (2 - len(adds))
+    if not stored:
+        launch(_dq_kernel)[(T, B * H)](
+            q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, *dq_adds, rows,
+            *queries.kernel_args(bidx), *strides, T, n, scale, qk_scale, GP=pow2(G, 16),
+            IS_VARLEN=queries.varlen, ADDS=len(adds), TT=group, **constants,
+            **_per_token_launch("dq", q.dtype))
 
     gp2 = pow2(G)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
-    queries_per_chunk = bm // gp2 * max(1, ROWS_PER_CHUNK // bm)
-    ordered_adds = torch.are_deterministic_algorithms_enabled()
-    if side is not None:
-        side.wait_event(fork)
-    with torch.cuda.stream(side):  # no-op for None: the current stream
-        ent_tok, ent_pos, chunks = _key_chunks(bidx, sel_block, queries, queries_per_chunk,
-                                               token_major=not ordered_adds)
-    if side is not None:
+    ordered_adds = not recipe[1]
+    if index is None:
+        index = _start_index(bidx, sel_block, queries, recipe, fork)
+    ent_tok, ent_pos, ent_slot, chunks, ready, _ = index
+    if ready is not None:
         main = torch.cuda.current_stream(q.device)
-        main.wait_stream(side)
-        for x in (ent_tok, ent_pos, chunks):
-            x.record_stream(main)
+        main.wait_event(ready)
+        for x in (ent_tok, ent_pos, ent_slot, chunks):
+            if x is not None:
+                x.record_stream(main)
+    ds = torch.empty(B, T, HQ, n, sel_block, dtype=q.dtype, device=q.device) if stored else dq
     grid = (chunks.shape[0], triton.cdiv(sel_block, bn))
     sync = ordered.sync_buffer(grid[0] * grid[1], q.device) if ordered_adds else bidx
     launch(_dkdv_kernel)[(grid[0] * grid[1],) if ordered_adds else grid](
-        q, k, v, do, lse, delta, dk, dv, chunks, ent_tok, ent_pos, sync,
+        q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos,
+        ent_slot if stored else ent_tok, passed_slots if group and stored else ent_tok, sync,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        T, Tk, scale, qk_scale,
+        T, Tk, n, scale, qk_scale,
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
-        PREC=prec, ORDERED=ordered_adds, num_warps=warps, num_stages=stages)
+        PREC=prec, ORDERED=ordered_adds, STORE_DS=stored, SKIP_PASSED=bool(group and stored),
+        num_warps=warps, num_stages=stages)
+    if stored:
+        launch(_dq_ds_kernel)[(T, B * H)](
+            k, ds, dq, *dq_adds, rows, bidx, *queries.kernel_args(bidx), *_strides(k),
+            *_strides(dq), T, n, scale, H=H, G=G, GP=pow2(G, 16), DK=Dk, DKP=dkp,
+            SEL=sel_block, BN=_key_tile(sel_block, 64), NP=pow2(n), IS_VARLEN=queries.varlen,
+            ADDS=len(adds), TT=group, PREC=prec, **_per_token_launch("dq_ds", q.dtype))
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -128,6 +128,9 @@ class _Layer(torch.autograd.Function):
         # each branch's dO is dropped once its backward has run (the saved outputs stay until
         # the node is done, where the ops' nodes free theirs one by one: more peak memory)
         with routing.force(**ctx.forces):
+            # the selection backward's index, started on a side stream: the window and
+            # compressed backward run while it builds
+            index = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k)
             with _named("gate_combine_backward"):
                 do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_combine_backward._init_fn(
                     do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads)
@@ -151,7 +154,7 @@ class _Layer(torch.autograd.Function):
             with _named("selection_attention_backward"):
                 dq, dk, dv = ops.selection_backward_adding(
                     tuple(dq_parts), q, k, v, o_slc, lse_slc, do_slc, None, block_idx,
-                    plan.sel_block, plan.scale, cu_q, cu_k)
+                    plan.sel_block, plan.scale, cu_q, cu_k, index)
             del do_slc
             if plan.window:
                 dk += dk_win

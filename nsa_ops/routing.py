@@ -531,9 +531,13 @@ class Route:
     # the backward takes dq_add=: gradients it sums into dq on the way (nsa_ops.eager's layer
     # hands the selection backward the other branches' dq), instead of a pass after it
     adds_dq: bool = False
+    # "module:function" that starts what the backward will read, which it then takes as index=
+    # (nsa_ops.eager's layer starts it before the other branches' backward, which hide it)
+    index: Optional[str] = None
 
 
 _REF = "nsa_ops.reference"
+_SELECTION_INDEX = "nsa_ops.kernels.selection:backward_index"
 _WIN_FWD = "nsa_ops.kernels.window:sliding_window_fwd"
 _WIN_BWD = "nsa_ops.kernels.window:sliding_window_bwd"
 TABLE: tuple[Route, ...] = (
@@ -551,11 +555,12 @@ TABLE: tuple[Route, ...] = (
     Route("select_blocks", "reference", f"{_REF}:select_blocks", None, _always),
     Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
           "nsa_ops.kernels.selection:selection_attention_bwd", _triton,
-          defer=_selection_kernel_preferred, interpreted=True, adds_dq=True),
+          defer=_selection_kernel_preferred, interpreted=True, adds_dq=True,
+          index=_SELECTION_INDEX),
     # the backward reuses the Triton kernels, which serve every input this row serves
     Route("selection_attention", "packed_sdpa", "nsa_ops.packed:selection_attention_packed",
           "nsa_ops.kernels.selection:selection_attention_bwd", _first(_triton, _no_offset),
-          interpreted=True, adds_dq=True),
+          interpreted=True, adds_dq=True, index=_SELECTION_INDEX),
     Route("selection_attention", "reference", f"{_REF}:selection_attention",
           f"{_REF}:selection_attention_backward", _always),
     Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,

@@ -73,8 +73,8 @@ def select(l, d, sel, n, T, HQ, H, D):
 
 def routed(dtype, dk, dv, HQ, H):
     from nsa_ops import reference
-    from nsa_ops.kernels import compressed, decode, selection, window
-    for module in (window, compressed, selection):
+    from nsa_ops.kernels import compressed, decode, delta, selection, window
+    for module in (window, compressed, selection, delta):
         module.launch = CompileForSm90
     cpu_tiles = window._tile_config
     window._tile_config = lambda kernel, kv_bytes, on_gpu: cpu_tiles(kernel, kv_bytes, True)
@@ -91,7 +91,9 @@ def routed(dtype, dk, dv, HQ, H):
     compressed.select_blocks(q, k_cmp, lse, l, d, sel, n, scale)
     block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
     selection.selection_attention_fwd(q, k, v, block_idx, sel, scale)
-    selection.selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel, scale)
+    for stored_ds in (True, False):  # dq from the stored dS, or worked out again
+        selection.selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel, scale,
+                                          stored_ds=stored_ds)
     # decode launches its kernels directly, over a cache of T tokens for 2 sequences
     for name in ("_fused_kernel", "_partials_kernel", "_select_kernel", "_combine_kernel"):
         setattr(decode, name, CompileForSm90(getattr(decode, name)))

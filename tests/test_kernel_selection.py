@@ -119,14 +119,15 @@ CASES = [
 ]
 
 
-def run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, cu_seqlens=None, tma=None):
+def run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, cu_seqlens=None, tma=None,
+             stored_ds=None):
     scale = q.shape[-1] ** -0.5
     gen = torch.Generator().manual_seed(2)
     o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, cu_seqlens, tma=tma)
     do = torch.randn(o.shape, generator=gen).to(dtype)
     dlse = torch.randn(lse.shape, generator=gen) if with_dlse else None
     dq, dk, dv = selection_attention_bwd(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
-                                         cu_seqlens)
+                                         cu_seqlens, stored_ds=stored_ds)
 
     q64, k64, v64 = q.double(), k.double(), v.double()
     o_ref, lse_ref = ref.selection_attention(q64, k64, v64, block_idx, sel_block, scale, cu_seqlens)
@@ -164,6 +165,54 @@ def test_selection_kernels(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, w
         assert (block_idx[..., :-1] < 0).any() and (block_idx[..., 0] >= 0).any()
     assert (block_idx < 0).any(), "cases must include empty slots"
     run_case(q, k, v, block_idx, sel_block, dtype, with_dlse)
+
+
+# dq worked out again from K and V (`_dq_kernel`), where the dS buffer would not fit: the cases
+# above run dq from the dS the dK dV pass stored (the default wherever it fits, the CPU too)
+@pytest.mark.parametrize("B,T,H,G,Dk,Dv,sel_block,n,dtype,selection,with_dlse,extra",
+                         [CASES[i] for i in (1, 2, 7, 10, 12)])
+def test_selection_kernels_recomputed_ds(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection,
+                                         with_dlse, extra, monkeypatch, poisoned_empty):
+    if extra == "chunks":
+        monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
+    q, k, v, block_idx = case_inputs(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, extra)
+    run_case(q, k, v, block_idx, sel_block, dtype, with_dlse, stored_ds=False)
+
+
+@pytest.mark.parametrize("stored_ds", [True, False])
+def test_selection_dq_paths_launch(stored_ds, monkeypatch):
+    """stored_ds picks dq's kernel: one launch of `_dq_ds_kernel` after the dK dV pass, or of
+    `_dq_kernel` before it, never both; forcing it where it cannot run names the reason."""
+    spies = {name: LaunchSpy(getattr(sel_kernels, name)) for name in ("_dq_kernel", "_dq_ds_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(sel_kernels, name, spy)
+    q, k, v = make_qkv(1, 40, 1, 2, 16, 16, torch.float32)
+    block_idx = random_block_idx(1, 40, 1, 2, 16)
+    o, lse = selection_attention_fwd(q, k, v, block_idx, 16, 0.25)
+    selection_attention_bwd(q, k, v, o, lse, o, None, block_idx, 16, 0.25, stored_ds=stored_ds)
+    assert spies["_dq_ds_kernel"].launches == int(stored_ds)
+    assert spies["_dq_kernel"].launches == int(not stored_ds)
+    with pytest.raises(ValueError, match="stored_ds=True: too big"):
+        sel_kernels._stored_ds(True, "too big")
+    assert sel_kernels._stored_ds(None, "too big") is False
+    assert sel_kernels._stored_ds(None, None) is True
+
+
+@pytest.mark.parametrize("stored_ds", [True, False])
+def test_selection_backward_index(stored_ds, monkeypatch, poisoned_empty):
+    """index= (`backward_index`, which the eager layer starts early): the gradients of the
+    backward that builds its own, bitwise; an index built for another backward is refused."""
+    monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
+    q, k, v, block_idx = case_inputs(*CASES[7][:10], CASES[7][11])
+    o, lse = selection_attention_fwd(q, k, v, block_idx, 16, 0.25)
+    args = (q, k, v, o, lse, o, None, block_idx, 16, 0.25)
+    index = sel_kernels.backward_index(q, k, v, block_idx, 16, stored_ds=stored_ds)
+    got = selection_attention_bwd(*args, stored_ds=stored_ds, index=index)
+    want = selection_attention_bwd(*args, stored_ds=stored_ds)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="index: built for"):
+        selection_attention_bwd(*args, stored_ds=not stored_ds, index=index)
 
 
 # The forward's TMA loads (sm90+ GPUs pick them; the interpreter runs them when asked): whole
@@ -224,11 +273,15 @@ def shared_case_block_idx(q, k, Tq, sel_block, n, run, drop):
     return as_set(torch.where(victim, -1, block_idx))
 
 
-@pytest.mark.parametrize("B,Tk,Tq,H,G,Dk,Dv,sel_block,n,dtype,run,drop", SHARED_CASES)
+@pytest.mark.parametrize("B,Tk,Tq,H,G,Dk,Dv,sel_block,n,dtype,run,drop,stored_ds",
+                         [case + (True,) for case in SHARED_CASES]
+                         + [SHARED_CASES[i] + (False,) for i in (1, 5, 7)])
 def test_selection_shared_pass(B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run, drop,
-                               monkeypatch, poisoned_empty):
+                               stored_ds, monkeypatch, poisoned_empty):
     """The forward's pass and dq's (`_shared_dq_kernel`), the latter taking groups that share
-    2 blocks or more here, so that some groups leave it all to the walk and others do not."""
+    2 blocks or more here, so that some groups leave it all to the walk and others do not; the
+    walk sums dq from stored dS (finding each of its blocks' slots in block_idx, which repeats
+    some) or works it out again."""
     monkeypatch.setattr(sel_kernels, "SHARED_DQ_MIN", 2)
     q, k, v = make_qkv(B, Tk, H, G, Dk, Dv, dtype, seed=7)
     block_idx = shared_case_block_idx(q, k, Tq, sel_block, n, run, drop)
@@ -239,7 +292,7 @@ def test_selection_shared_pass(B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run
     dlse = torch.randn(q.shape[:3], generator=gen)
     o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, tma=True, shared=True)
     grads = selection_attention_bwd(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
-                                    shared=True)
+                                    shared=True, stored_ds=stored_ds)
     q64, k64, v64 = q.double(), k.double(), v.double()
     o_ref, lse_ref = ref.selection_attention(q64, k64, v64, block_idx, sel_block, scale)
     grads_ref = ref.selection_attention_backward(q64, k64, v64, o_ref, lse_ref, do.double(),
@@ -340,14 +393,17 @@ def test_selection_future_keys_unread(tma, shared, poisoned_empty):
         assert not torch.isnan(b).any() and torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("case", [CASES[2], CASES[9]], ids=["fp32-l16", "fp32-l48"])
-def test_selection_kernels_ordered(case, monkeypatch, poisoned_empty, deterministic):
+@pytest.mark.parametrize("case,stored_ds", [(CASES[2], True), (CASES[9], True),
+                                            (CASES[2], False)],
+                         ids=["fp32-l16", "fp32-l48", "fp32-l16-recomputed"])
+def test_selection_kernels_ordered(case, stored_ds, monkeypatch, poisoned_empty, deterministic):
     """Deterministic mode (kernels/ordered.py): the chunks of a block add in chunk order, with
     one query per chunk so that blocks span many chunks."""
     B, T, H, G, Dk, Dv, sel_block, n, dtype, _, with_dlse, _ = case
     monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
     q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype)
-    run_case(q, k, v, random_block_idx(B, T, H, n, sel_block), sel_block, dtype, with_dlse)
+    run_case(q, k, v, random_block_idx(B, T, H, n, sel_block), sel_block, dtype, with_dlse,
+             stored_ds=stored_ds)
 
 
 @pytest.mark.parametrize("adds,dtype", [(1, torch.float32), (2, torch.float32),
