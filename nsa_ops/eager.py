@@ -9,9 +9,11 @@ same order, and its backward runs the backward ops' bodies and sums the branches
 itself: dq's three parts in the selection dq kernel's epilogue, which runs last
 (`ops.selection_backward_adding`; autograd's two adds took 2.09 ms at 64k, a one-pass sum 1.38),
 mean pooling's backward as `reference.compress_mean_backward` (autograd's unfold backward took
-0.76 ms at 64k). H100, spec geometry, forward+backward from an idle GPU against
-NSA_OPS_EAGER_LAYER=0, two readings each in one run: 8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k
-23.20 / 23.26 -> 22.14 / 22.04, 64k 117.45 / 117.57 -> 115.71 / 116.72. The cost is memory: the
+0.76 ms at 64k), and the selection backward's inverse index started early on a side stream
+(`ops.selection_backward_index`), where the compressed backward hides it. H100, spec geometry,
+forward+backward from an idle GPU against NSA_OPS_EAGER_LAYER=0, two readings each in one run:
+8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k 23.20 / 23.26 -> 22.14 / 22.04, 64k 117.45 / 117.57
+-> 115.71 / 116.72 (before the early index, `c6fc1e7`). The cost is memory: the
 node's saved branch outputs live until its backward is done, where the ops' nodes free theirs
 one by one, and the three dq parts meet in the selection backward: the step's peak 3.89 ->
 4.17 GB at 16k, 15.58 -> 16.70 at 64k.
@@ -128,9 +130,6 @@ class _Layer(torch.autograd.Function):
         # each branch's dO is dropped once its backward has run (the saved outputs stay until
         # the node is done, where the ops' nodes free theirs one by one: more peak memory)
         with routing.force(**ctx.forces):
-            # the selection backward's index, started on a side stream: the window and
-            # compressed backward run while it builds
-            index = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k)
             with _named("gate_combine_backward"):
                 do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_combine_backward._init_fn(
                     do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads)
@@ -143,6 +142,10 @@ class _Layer(torch.autograd.Function):
                         cu_k)
                 del do_win
                 dq_parts.append(dq_win)
+            # the selection backward's index (some 60 small kernels) on a side stream, built while
+            # the compressed backward runs; started after the gate and window backward are queued,
+            # so that the GPU has work while the host launches it
+            index = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k)
             with _named("compressed_attention_backward"):
                 dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
                     q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, None,

@@ -183,7 +183,8 @@ def test_selection_kernels_recomputed_ds(B, T, H, G, Dk, Dv, sel_block, n, dtype
 def test_selection_dq_paths_launch(stored_ds, monkeypatch):
     """stored_ds picks dq's kernel: one launch of `_dq_ds_kernel` after the dK dV pass, or of
     `_dq_kernel` before it, never both; forcing it where it cannot run names the reason."""
-    spies = {name: LaunchSpy(getattr(sel_kernels, name)) for name in ("_dq_kernel", "_dq_ds_kernel")}
+    spies = {name: LaunchSpy(getattr(sel_kernels, name))
+             for name in ("_dq_kernel", "_dq_ds_kernel")}
     for name, spy in spies.items():
         monkeypatch.setattr(sel_kernels, name, spy)
     q, k, v = make_qkv(1, 40, 1, 2, 16, 16, torch.float32)
