@@ -34,7 +34,8 @@ Under torch.use_deterministic_algorithms(True) the chunks of a block add in chun
 (kernels/ordered.py), so gradients are bitwise reproducible.
 
 dq can instead come after dk/dv, from the dS the dK dV pass works out anyway and stores
-(`_dq_ds_kernel`, `_stored_ds`: the default where its buffer fits): each (query, block) then
+(`_dq_ds_kernel`, `_stored_ds`: the default where its buffer fits, on a GPU without an index
+started early from STORED_DS_MIN_TOKENS query tokens): each (query, block) then
 gathers K alone, with one dot, where `_dq_kernel` gathers K and V and works P and dS out again.
 H100, bf16, spec geometry, whole selection backward, three interleaved rounds, recomputed ->
 stored: random selections at 8k / 16k / 64k 3.74-3.75 / 7.74-8.06 / 34.02-34.04 -> 3.64-3.65 /
@@ -527,8 +528,15 @@ _SHARED_DQ_PROGRAMS = 2
 # bytes of the dq kernel, which reads K and V to work out P and dS again, and one dot instead of
 # three. The cost is a dS buffer of B * T * HQ * n * l' values (128 KB a token at the spec's
 # geometry in bf16: 1 GiB at 8k, 8 GiB at 64k), so it runs where that takes at most
-# 1 / STORED_DS_SHARE of the GPU's memory, and a pass of its own for delta.
+# 1 / STORED_DS_SHARE of the GPU's memory, and a pass of its own for delta. Its inverse index
+# must be built before the dK dV pass, where it hid behind the dq kernel: left to the backward
+# (a GPU, no `backward_index` started early, as under torch.compile), the index's ~60 small
+# kernels are exposed, and below STORED_DS_MIN_TOKENS query tokens that costs more than dq from
+# dS saves where neighbouring queries select alike (H100, spec geometry, whole selection
+# backward, recomputed -> stored: runs of 64 alike 8k 2.84 -> 3.20 ms, 16k 5.84-6.00 ->
+# 6.22-6.35; random 8k 3.74 -> 3.64, 16k 7.74-8.06 -> 7.10-7.13), so there it works dq out again.
 STORED_DS_SHARE = 8
+STORED_DS_MIN_TOKENS = 16384
 
 
 def _stored_ds_reason(q: Tensor, n: int, sel_block: int) -> Optional[str]:
@@ -546,12 +554,20 @@ def _stored_ds_reason(q: Tensor, n: int, sel_block: int) -> Optional[str]:
     return None
 
 
-def _stored_ds(choice: Optional[bool], reason: Optional[str]) -> bool:
+def _stored_ds_preferred(on_gpu: bool, tokens: int, early_index: bool) -> bool:
+    """Whether storing dS pays, where it can run (STORED_DS_MIN_TOKENS): always with an index
+    started early or off a GPU (the interpreter: the CPU tests run it by default)."""
+    return early_index or not on_gpu or (isinstance(tokens, int)
+                                         and tokens >= STORED_DS_MIN_TOKENS)
+
+
+def _stored_ds(choice: Optional[bool], reason: Optional[str], preferred: bool = True) -> bool:
     """Whether the backward stores dS (`selection_attention_bwd`'s stored_ds): None where reason
-    is None; True forces it (ValueError with the reason where it cannot), False leaves it."""
+    is None and it pays (preferred); True forces it (ValueError with the reason where it
+    cannot), False leaves it."""
     if choice and reason is not None:
         raise ValueError(f"stored_ds=True: {reason}")
-    return reason is None if choice is None else choice
+    return reason is None and preferred if choice is None else choice
 
 
 def _num_groups(T: int, off: int, group: int) -> int:
@@ -1327,7 +1343,8 @@ def backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block
     on a GPU on the side stream, so that it builds while other work runs: the eager layer starts
     it before the window and compressed backward (nsa_ops.eager)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
-    stored = _stored_ds(stored_ds, _stored_ds_reason(q, block_idx.shape[3], sel_block))
+    stored = _stored_ds(stored_ds, _stored_ds_reason(q, block_idx.shape[3], sel_block),
+                        _stored_ds_preferred(q.is_cuda, q.shape[0] * q.shape[1], True))
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(q.shape[1], k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
     return _start_index(bidx, sel_block, queries, _index_recipe(q, k, v, stored, sel_block),
@@ -1349,7 +1366,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     shared pass first (`_shared_dq_kernel`; None: where `_shared_pass` allows, never for fp32),
     which hands the walk its share of dq rounded to dq's dtype. stored_ds: the dK dV pass runs
     first and stores dS, from which dq is summed (`_dq_ds_kernel`; None: where
-    `_stored_ds_reason` allows; True forces it, False works dq out from K and V again). index:
+    `_stored_ds_reason` allows and `_stored_ds_preferred` finds it pays; True forces it, False
+    works dq out from K and V again). index:
     the dK dV pass's inverse index as `backward_index` started it on the same inputs (None: built
     here, on a GPU on the side stream while the passes before dK dV run)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
@@ -1374,7 +1392,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
-    stored = _stored_ds(stored_ds, _stored_ds_reason(q, n, sel_block))
+    stored = _stored_ds(stored_ds, _stored_ds_reason(q, n, sel_block),
+                        _stored_ds_preferred(q.is_cuda, B * T, index is not None))
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     prec = dot_precision(q.dtype)
     # dq's layout, so that the kernel reads them at dq's offsets

@@ -197,6 +197,19 @@ def test_selection_dq_paths_launch(stored_ds, monkeypatch):
         sel_kernels._stored_ds(True, "too big")
     assert sel_kernels._stored_ds(None, "too big") is False
     assert sel_kernels._stored_ds(None, None) is True
+    assert sel_kernels._stored_ds(None, None, preferred=False) is False
+    assert sel_kernels._stored_ds(True, None, preferred=False) is True
+
+
+def test_stored_ds_pays_from_min_tokens_without_an_early_index():
+    """On a GPU without an index started early (torch.compile's backward) the exposed index
+    costs more than dq from dS saves below STORED_DS_MIN_TOKENS; with one, or off a GPU, it
+    always pays."""
+    short, long_ = sel_kernels.STORED_DS_MIN_TOKENS - 1, sel_kernels.STORED_DS_MIN_TOKENS
+    assert not sel_kernels._stored_ds_preferred(True, short, False)
+    assert sel_kernels._stored_ds_preferred(True, long_, False)
+    assert sel_kernels._stored_ds_preferred(True, short, True)
+    assert sel_kernels._stored_ds_preferred(False, short, False)
 
 
 @pytest.mark.parametrize("stored_ds", [True, False])
