@@ -923,9 +923,7 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
         else:
             slot = it // NSUB
         sub = (it % NSUB) * BN + tl.arange(0, BN)
-        kcols = tl.arange(0, DKP)
-        kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
-                     mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
+        kt = _load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
         dst = tl.load(ds + (ds_rows + slot)[:, None] * SEL + sub[None, :],
                       mask=gmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.dot(dst, kt, input_precision=PREC)
@@ -1292,6 +1290,13 @@ def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
                 BN=_key_tile_size("fwd_tma" if tma else "fwd", sel_block, dkp, dvp))
 
 
+class _IndexRecipe(NamedTuple):
+    """What an inverse index is built for: `_key_chunks`' arguments after the queries."""
+    queries_per_chunk: int
+    token_major: bool  # chunks in (KV head, first query) order; False: the deterministic mode's
+    with_slots: bool   # the stored-dS backward's ent_slot
+
+
 class BackwardIndex(NamedTuple):
     """The dK dV pass's inverse index (`_key_chunks`'s four tensors), started by
     `backward_index` before the backward needs it. ready: the side stream's event once it is
@@ -1301,20 +1306,20 @@ class BackwardIndex(NamedTuple):
     ent_slot: Optional[Tensor]
     chunks: Tensor
     ready: Optional[torch.cuda.Event]
-    recipe: tuple
+    recipe: _IndexRecipe
 
 
-def _index_recipe(q: Tensor, k: Tensor, v: Tensor, stored: bool, sel_block: int) -> tuple:
-    """(queries per chunk, token-major chunks, with slots): the index the backward of these
-    inputs reads, in `_key_chunks`' argument order."""
+def _index_recipe(q: Tensor, k: Tensor, v: Tensor, stored: bool, sel_block: int
+                  ) -> _IndexRecipe:
+    """The index the backward of these inputs reads."""
     gp2 = pow2(q.shape[2] // k.shape[2])
     _, bm, _, _ = _dkdv_config(q.dtype, sel_block, pow2(q.shape[3], 16), pow2(v.shape[3], 16),
                                gp2)
     ordered_adds = torch.are_deterministic_algorithms_enabled()
-    return bm // gp2 * max(1, ROWS_PER_CHUNK // bm), not ordered_adds, stored
+    return _IndexRecipe(bm // gp2 * max(1, ROWS_PER_CHUNK // bm), not ordered_adds, stored)
 
 
-def _start_index(bidx: Tensor, sel_block: int, queries: _Queries, recipe: tuple,
+def _start_index(bidx: Tensor, sel_block: int, queries: _Queries, recipe: _IndexRecipe,
                  fork: Optional[torch.cuda.Event]) -> BackwardIndex:
     """The index of recipe, its some 60 small torch kernels on the side stream from event fork
     (a GPU, eager) or on the current stream (fork None)."""
@@ -1400,8 +1405,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     adds = [x.contiguous() for x in dq_add]
     recipe = _index_recipe(q, k, v, stored, sel_block)
     if index is not None and index.recipe != recipe:
-        raise ValueError(f"index: built for (queries per chunk, token-major, with slots) = "
-                         f"{index.recipe}, this backward reads {recipe}")
+        raise ValueError(f"index: built for {index.recipe}, this backward reads {recipe}")
     # the dK dV kernel's inverse index (some 60 small torch kernels) depends on block_idx alone:
     # on a GPU it is built on a side stream, from before the passes that precede dK dV
     fork = _fork(q.device) if index is None else None
@@ -1416,6 +1420,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                      HAS_DLSE=dlse is not None, PREC=prec)
     qk_scale = scale * math.log2(math.e)
     rows = bidx
+    skip_passed = bool(group) and stored  # the plan marks the slots dq's shared pass takes
     if group:
         off = Tk - T
         num_groups = _num_groups(T, off, group)
@@ -1444,7 +1449,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
 
     gp2 = pow2(G)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)
-    ordered_adds = not recipe[1]
+    ordered_adds = not recipe.token_major
     if index is None:
         index = _start_index(bidx, sel_block, queries, recipe, fork)
     ent_tok, ent_pos, ent_slot, chunks, ready, _ = index
@@ -1459,11 +1464,11 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     sync = ordered.sync_buffer(grid[0] * grid[1], q.device) if ordered_adds else bidx
     launch(_dkdv_kernel)[(grid[0] * grid[1],) if ordered_adds else grid](
         q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos,
-        ent_slot if stored else ent_tok, passed_slots if group and stored else ent_tok, sync,
+        ent_slot if stored else ent_tok, passed_slots if skip_passed else ent_tok, sync,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, Tk, n, scale, qk_scale,
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
-        PREC=prec, ORDERED=ordered_adds, STORE_DS=stored, SKIP_PASSED=bool(group and stored),
+        PREC=prec, ORDERED=ordered_adds, STORE_DS=stored, SKIP_PASSED=skip_passed,
         num_warps=warps, num_stages=stages)
     if stored:
         launch(_dq_ds_kernel)[(T, B * H)](
