@@ -142,10 +142,10 @@ class _Layer(torch.autograd.Function):
                         cu_k)
                 del do_win
                 dq_parts.append(dq_win)
-            # the selection backward's index (some 60 small kernels) on a side stream, built while
-            # the compressed backward runs; started after the gate and window backward are queued,
-            # so that the GPU has work while the host launches it
-            index = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k)
+            # the selection backward, routed once, and its index (some 60 small kernels) on a side
+            # stream, built while the compressed backward runs; started after the gate and window
+            # backward are queued, so that the GPU has work while the host launches it
+            routed = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k)
             with _named("compressed_attention_backward"):
                 dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
                     q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, None,
@@ -157,7 +157,7 @@ class _Layer(torch.autograd.Function):
             with _named("selection_attention_backward"):
                 dq, dk, dv = ops.selection_backward_adding(
                     tuple(dq_parts), q, k, v, o_slc, lse_slc, do_slc, None, block_idx,
-                    plan.sel_block, plan.scale, cu_q, cu_k, index)
+                    plan.sel_block, plan.scale, cu_q, cu_k, routed)
             del do_slc
             if plan.window:
                 dk += dk_win

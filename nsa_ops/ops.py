@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import inspect
 import sys
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -235,33 +235,44 @@ def selection_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
                                      cu_seqlens, cu_seqlens_k)
 
 
+class SelectionBackward(NamedTuple):
+    """A selection backward routed ahead of its run (`selection_backward_index`): the route,
+    and what it reads that was started then (`Route.index`; None where the route has none)."""
+    route: routing.Route
+    index: Any
+
+
 def selection_backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor,
                              sel_block: int, cu_seqlens: Optional[Tensor] = None,
-                             cu_seqlens_k: Optional[Tensor] = None) -> Any:
-    """What the routed selection backward of these inputs will read, started now
-    (`Route.index`), for `selection_backward_adding`'s index; None where its route has none."""
+                             cu_seqlens_k: Optional[Tensor] = None) -> SelectionBackward:
+    """Routes the selection backward of these inputs now and starts what its route reads, for
+    `selection_backward_adding`'s routed=."""
     kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
     route = _route("selection_attention", q, v, cu_seqlens, offset, backward=True)
-    if route.index is None:
-        return None
-    return routing.resolve(route.index)(q, k, v, block_idx, sel_block, cu_seqlens, **kw)
+    index = None if route.index is None else \
+        routing.resolve(route.index)(q, k, v, block_idx, sel_block, cu_seqlens, **kw)
+    return SelectionBackward(route, index)
 
 
 def selection_backward_adding(dq_add: tuple[Tensor, ...], q: Tensor, k: Tensor, v: Tensor,
                               o: Tensor, lse: Tensor, do: Tensor, dlse: Optional[Tensor],
                               block_idx: Tensor, sel_block: int, scale: float,
                               cu_seqlens: Optional[Tensor] = None,
-                              cu_seqlens_k: Optional[Tensor] = None, index: Any = None
+                              cu_seqlens_k: Optional[Tensor] = None,
+                              routed: Optional[SelectionBackward] = None
                               ) -> tuple[Tensor, Tensor, Tensor]:
     """selection_attention_backward's body, its dq summed with the gradients dq_add (shaped
     like q): inside the backward where the route takes them (`Route.adds_dq`), else after.
-    index: `selection_backward_index`'s, for the same inputs."""
+    routed: `selection_backward_index`'s, for the same inputs (None: routed here)."""
     kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
-    route = _route("selection_attention", q, v, cu_seqlens, offset, backward=True)
+    if routed is None:
+        routed = SelectionBackward(
+            _route("selection_attention", q, v, cu_seqlens, offset, backward=True), None)
+    route = routed.route
     if route.adds_dq:
         kw["dq_add"] = dq_add
-    if index is not None:
-        kw["index"] = index
+    if routed.index is not None:
+        kw["index"] = routed.index
     dq, dk, dv = _call(route.backward, route, q, k, v, o, lse, do, dlse, block_idx, sel_block,
                        scale, cu_seqlens, **kw)
     if not route.adds_dq:
