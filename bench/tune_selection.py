@@ -1,16 +1,18 @@
 """Sweep the launch configs of the selection forward and dq kernels at one shape; prints median ms.
 
-    python bench/tune_selection.py [--seqlen 65536] [--kernels fwd_tma dq]
+    python bench/tune_selection.py [--seqlen 65536] [--kernels fwd_tma dq dq_ds]
         [--key-tiles 32 64] [--dtype float32] [geometry flags | --config FILE.yaml]
 
 Used to pick `_PER_TOKEN_PICK` in kernels/selection.py among `PER_TOKEN_CONFIGS` (pointer loads)
 and `TMA_CONFIGS` (the forward's TMA loads, sm90+), the key tiles of `_key_tile_size`
-(--key-tiles: each kernel also at these tiles; default its own), then `_SHARED_PICK` among
-`SHARED_CONFIGS` at 64 and 128 `SHARED_ROWS` (the forward's shared pass, sm90+) (bf16, the
-selection bench_kernels.py times, at the geometry of bench/geometry.py, by default the spec's). The
-backward is timed whole (dq, then dk/dv at its fixed config), so dq rows differ by the dq kernel
-alone. --dtype float32 sweeps fp32's own picks (`fwd_fp32`, `dq_fp32`; the rest as in bf16), with
-the shared passes off as fp32 runs them (`_cuda_core_default`), so there is no shared sweep.
+(--key-tiles: each kernel also at these tiles; default its own), then
+`_SHARED_PICK` among `SHARED_CONFIGS` at 64 and 128 `SHARED_ROWS` (the forward's shared pass,
+sm90+) (bf16, the selection bench_kernels.py times, at the geometry of bench/geometry.py, by
+default the spec's). The backward is timed whole (dq, then dk/dv at its fixed config; "dq_ds":
+dk/dv storing dS, then dq from it), so dq rows differ by the dq kernel alone.
+--dtype float32 sweeps fp32's own picks (`fwd_fp32`, `dq_fp32`, `dq_ds_fp32`; the rest as in
+bf16), with the shared passes off as fp32 runs them (`_cuda_core_default`), so there is no shared
+sweep.
 Wide heads (padded Dk + Dv over 256, `_wide`) sweep their own picks where the table has one
 (`fwd_wide`).
 """
@@ -24,12 +26,12 @@ from nsa_ops.kernels import selection as S
 from nsa_ops.kernels.utils import pow2
 from bench_kernels import random_selection, spec_inputs
 
-KERNELS = ("fwd", "fwd_tma", "dq", "shared")
+KERNELS = ("fwd", "fwd_tma", "dq", "dq_ds", "shared")
 
 
 @contextlib.contextmanager
 def key_tile(kernel: str, keys):
-    """`_key_tile_size` answers `keys` for this kernel ("fwd", "fwd_tma", "dq"; None:
+    """`_key_tile_size` answers `keys` for this kernel ("fwd", "fwd_tma", "dq", "dq_ds"; None:
     unchanged)."""
     own = S._key_tile_size
     if keys is not None:
@@ -61,9 +63,11 @@ def main():
                                                      shared=False)
     picked = dict(S._PER_TOKEN_PICK)
     shared_rows, shared_pick = S.SHARED_ROWS, S._SHARED_PICK
+    bwd = lambda stored_ds: lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp,
+                                                              scale, stored_ds=stored_ds)
     sweeps = {"fwd": (fwd(False), S.PER_TOKEN_CONFIGS), "fwd_tma": (fwd(True), S.TMA_CONFIGS),
-              "dq": (lambda: S.selection_attention_bwd(q, k, v, o, lse, do, None, idx, lp, scale),
-                     S.PER_TOKEN_CONFIGS)}
+              "dq": (bwd(False), S.PER_TOKEN_CONFIGS),
+              "dq_ds": (bwd(True), S.PER_TOKEN_CONFIGS)}
     for kernel in (name for name in args.kernels if name in sweeps):
         fn, configs = sweeps[kernel]
         for keys in args.key_tiles:

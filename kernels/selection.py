@@ -413,6 +413,14 @@ def _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC: tl.constex
 # 4.87-28.1. Pointer loads (32-key tiles, no shared pass) at (2, 2) 6.21 / 4.22 against (2, 3)
 # 7.86 / 4.45 and (4, 3) 8.01 / 4.43. dq keeps its pick: at its key tiles (64 / 32), whole
 # backward 20.92 / 12.13 ms against the best of 18 configs 20.00 / 12.13.
+# dq from stored dS ("dq_ds", K alone): 64-key tiles at (2, 3), whole stored backward at 64k
+# (tune_selection.py, H100, `6082672`) 29.31 ms against 29.22-30.73 at (2, 2), (4, *) and
+# 31.00-31.46 on 32-key tiles; 8 warps 33.8-36.7. Through TMA descriptors (whole K tiles by box,
+# the query's own partial tile apart, as the forward): 64-key tiles at (1, 2) against pointer
+# loads, four interleaved rounds, random / runs of 64 alike: 8k 3.57-3.59 / 3.24 against
+# 3.63-3.65 / 3.21, 16k 7.03-7.04 / 6.26-6.29 against 7.13-7.14 / 6.20-6.24, 64k 29.2-29.7 /
+# 25.7-26.2 against 29.4-30.0 / 25.3-26.0; 32-key tiles and the other TMA_CONFIGS 29.2-32.9 at
+# 64k. Within 2% either way: no second K path.
 PER_TOKEN_CONFIGS = ((4, 2), (4, 3), (4, 4), (2, 2), (2, 3), (8, 3))
 TMA_CONFIGS = ((1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (4, 3))
 _PER_TOKEN_PICK = {"fwd": (2, 3), "fwd_tma": (1, 3), "dq": (2, 2), "dq_ds": (2, 3),
@@ -1052,11 +1060,14 @@ def _key_tile(sel_block: int, cap: int) -> int:
 
 
 def _key_tile_size(kernel: str, sel_block: int, dkp: int, dvp: int) -> int:
-    """Keys per tile of the forward ("fwd": pointer loads, "fwd_tma": TMA loads) / dq ("dq"): 32
-    forward (16 through TMA for wide heads, `_wide`), up to 64 dq (32 for very wide heads, to
-    bound the K/V tiles); measured with `_PER_TOKEN_PICK`."""
+    """Keys per tile of the forward ("fwd": pointer loads, "fwd_tma": TMA loads) / dq ("dq"; from
+    stored dS "dq_ds"): 32 forward (16 through TMA for wide heads, `_wide`), up to 64 dq (32 for
+    very wide heads, to bound the K/V tiles), 64 dq from dS (K alone); measured with
+    `_PER_TOKEN_PICK`."""
     if kernel == "dq":
         return _key_tile(sel_block, 64 if dkp + dvp <= 384 else 32)
+    if kernel == "dq_ds":
+        return _key_tile(sel_block, 64)
     return _key_tile(sel_block, 16 if kernel == "fwd_tma" and _wide(dkp, dvp) else 32)
 
 
@@ -1474,6 +1485,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         launch(_dq_ds_kernel)[(T, B * H)](
             k, ds, dq, *dq_adds, rows, bidx, *queries.kernel_args(bidx), *_strides(k),
             *_strides(dq), T, n, scale, H=H, G=G, GP=pow2(G, 16), DK=Dk, DKP=dkp,
-            SEL=sel_block, BN=_key_tile(sel_block, 64), NP=pow2(n), IS_VARLEN=queries.varlen,
-            ADDS=len(adds), TT=group, PREC=prec, **_per_token_launch("dq_ds", q.dtype))
+            SEL=sel_block, BN=_key_tile_size("dq_ds", sel_block, dkp, dvp), NP=pow2(n),
+            IS_VARLEN=queries.varlen, ADDS=len(adds), TT=group, PREC=prec,
+            **_per_token_launch("dq_ds", q.dtype))
     return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -459,7 +459,8 @@ def test_selection_kernels_varlen(selection, tma, poisoned_empty):
 # GPU cases (pytest -m gpu)
 # --------------------------------------------------------------------------------------------
 
-def run_gpu_case(B, T, H, G, Dk, Dv, dtype, cu_seqlens=None, sel_block=64, n=16, device="cuda"):
+def run_gpu_case(B, T, H, G, Dk, Dv, dtype, cu_seqlens=None, sel_block=64, n=16, device="cuda",
+                 stored_ds=None):
     q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype, device=device)
     scale = Dk ** -0.5
     block_idx = spec_block_idx(q, k, sel_block, n, scale, cu_seqlens)
@@ -468,7 +469,7 @@ def run_gpu_case(B, T, H, G, Dk, Dv, dtype, cu_seqlens=None, sel_block=64, n=16,
     do = torch.randn(o.shape, generator=gen, device=device).to(dtype)
     dlse = torch.randn(lse.shape, generator=gen, device=device) * 0.1
     grads = selection_attention_bwd(q, k, v, o, lse, do, dlse, block_idx, sel_block, scale,
-                                    cu_seqlens)
+                                    cu_seqlens, stored_ds=stored_ds)
 
     # bound the reference's [B, H, G, chunk, T] fp32 score tensors to ~256 MiB each
     chunk = max(16, 2 ** 26 // (H * G * T * B))
@@ -488,29 +489,34 @@ def run_gpu_case(B, T, H, G, Dk, Dv, dtype, cu_seqlens=None, sel_block=64, n=16,
         assert err < tol, f"{name}: relative error {err:.3e}"
 
 
+# Below STORED_DS_MIN_TOKENS a GPU backward without an early index works dq out again by
+# default: stored_ds=True runs dq from stored dS (through TMA on sm90+) at these lengths too
 @pytest.mark.gpu
+@pytest.mark.parametrize("stored_ds", [None, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H", [4, 8])
 @pytest.mark.parametrize("G", [1, 4, 16])
 @pytest.mark.parametrize("Dk,Dv", [(64, 64), (128, 128), (192, 128)])
-def test_selection_kernels_gpu_1k(dtype, H, G, Dk, Dv):
-    run_gpu_case(2, 1024, H, G, Dk, Dv, dtype)
+def test_selection_kernels_gpu_1k(dtype, H, G, Dk, Dv, stored_ds):
+    run_gpu_case(2, 1024, H, G, Dk, Dv, dtype, stored_ds=stored_ds)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stored_ds", [None, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("H,G,Dk,Dv", [(4, 16, 128, 128), (8, 4, 192, 128), (4, 1, 64, 64)])
-def test_selection_kernels_gpu_8k(dtype, H, G, Dk, Dv):
-    run_gpu_case(1, 8192, H, G, Dk, Dv, dtype)
+def test_selection_kernels_gpu_8k(dtype, H, G, Dk, Dv, stored_ds):
+    run_gpu_case(1, 8192, H, G, Dk, Dv, dtype, stored_ds=stored_ds)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stored_ds", [None, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T", [1024, 8192])
-def test_selection_kernels_gpu_varlen(dtype, T):
+def test_selection_kernels_gpu_varlen(dtype, T, stored_ds):
     lens = torch.tensor([T // 8, T // 2 - 77, T - T // 8 - (T // 2 - 77)])
     cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32).cuda()
-    run_gpu_case(1, T, 4, 16, 128, 128, dtype, cu_seqlens)
+    run_gpu_case(1, T, 4, 16, 128, 128, dtype, cu_seqlens, stored_ds=stored_ds)
 
 
 @pytest.mark.gpu
