@@ -535,31 +535,63 @@ _SHARED_DQ_PROGRAMS = 2
 # (query, selected block) anyway, stores dS, and dq sums dS K reading K alone: half the gathered
 # bytes of the dq kernel, which reads K and V to work out P and dS again, and one dot instead of
 # three. The cost is a dS buffer of B * T * HQ * n * l' values (128 KB a token at the spec's
-# geometry in bf16: 1 GiB at 8k, 8 GiB at 64k), so it runs where that takes at most
-# 1 / STORED_DS_SHARE of the GPU's memory, and a pass of its own for delta. Its inverse index
+# geometry in bf16: 1 GiB at 8k, 8 GiB at 64k), and a pass of its own for delta. The buffer
+# takes at most 1 / STORED_DS_SHARE of the GPU's memory: past that, the passes run over windows
+# of queries (`_ds_window`), one window's dS at a time, at the spec's geometry on an 80 GB GPU
+# 32k tokens a window. Whole selection backward on an H100, three interleaved rounds, windows of
+# 64k / 32k / 16k tokens: 64k random 29.15-29.39 / 29.46-30.49 / 30.32-30.71 ms, runs of 64 alike
+# 25.24-25.32 / 25.33-26.29 / 26.46-26.49, the backward's own peak 9.55 / 5.40 / 3.38 GiB; 128k
+# random, dq worked out again / windows of 64k / 32k: 69.06-70.76 / 61.53-62.39 / 63.46-65.66,
+# alike 50.52-51.11 / 51.70-52.27 / 52.28-52.97, peak 3.06 / 10.80 / 6.75 GiB. So 1/16: at 64k a
+# layer's step keeps about the peak it had before dS was stored, for at most 1% of the step,
+# and 128k stores dS too. Its inverse index
 # must be built before the dK dV pass, where it hid behind the dq kernel: left to the backward
 # (a GPU, no `backward_index` started early, as under torch.compile), the index's ~60 small
 # kernels are exposed, and below STORED_DS_MIN_TOKENS query tokens that costs more than dq from
 # dS saves where neighbouring queries select alike (H100, spec geometry, whole selection
 # backward, recomputed -> stored: runs of 64 alike 8k 2.84 -> 3.20 ms, 16k 5.84-6.00 ->
 # 6.22-6.35; random 8k 3.74 -> 3.64, 16k 7.74-8.06 -> 7.10-7.13), so there it works dq out again.
-STORED_DS_SHARE = 8
+STORED_DS_SHARE = 16
 STORED_DS_MIN_TOKENS = 16384
 
 
-def _stored_ds_reason(q: Tensor, n: int, sel_block: int) -> Optional[str]:
-    """Why the backward works dq out from K and V again (`_dq_kernel`) instead of summing it from
-    the dS its dK dV pass stores (None: it can store them)."""
+def _ds_budget(device: torch.device) -> Optional[int]:
+    """Bytes the dS buffer may take on device: 1 / STORED_DS_SHARE of a GPU's memory; None off a
+    GPU (the interpreter: no bound)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory // STORED_DS_SHARE
+
+
+def _ds_window(q: Tensor, n: int, sel_block: int, varlen: bool) -> Optional[int]:
+    """Query tokens per window of the stored-dS backward, which runs its passes window by window
+    over one buffer of that many tokens' dS: all T where their buffer fits `_ds_budget`; past
+    that, for fixed lengths, the largest power of two that fits (None: none fits, the length is
+    symbolic, or packed sequences, which are not cut)."""
     B, T, HQ = q.shape[:3]
     if not isinstance(T, int):
+        return None
+    per_token = B * HQ * n * sel_block * q.element_size()
+    budget = _ds_budget(q.device)
+    if budget is None or T * per_token <= budget:
+        return T
+    if varlen or per_token > budget:
+        return None
+    return 1 << (budget // per_token).bit_length() - 1
+
+
+def _stored_ds_reason(q: Tensor, n: int, sel_block: int, varlen: bool) -> Optional[str]:
+    """Why the backward works dq out from K and V again (`_dq_kernel`) instead of summing it from
+    the dS its dK dV pass stores (None: it can store them, `_ds_window` tokens at a time)."""
+    if not isinstance(q.shape[1], int):
         return "the length is symbolic (a dynamic-length trace): the dS buffer has no known size"
-    need = B * T * HQ * n * sel_block * q.element_size()
-    if q.is_cuda:
-        budget = torch.cuda.get_device_properties(q.device).total_memory // STORED_DS_SHARE
-        if need > budget:
-            return (f"the dS buffer ({need / 2 ** 30:.1f} GiB) would take over "
-                    f"1/{STORED_DS_SHARE} of the GPU's memory")
-    return None
+    if _ds_window(q, n, sel_block, varlen) is not None:
+        return None
+    tokens = q.shape[1] if varlen else 1
+    need = q.shape[0] * tokens * q.shape[2] * n * sel_block * q.element_size() / 2 ** 30
+    what = "packed sequences' dS buffer (not cut into windows)" if varlen else \
+        "dS buffer of one query token"
+    return f"the {what} ({need:.1f} GiB) would take over 1/{STORED_DS_SHARE} of the GPU's memory"
 
 
 def _stored_ds_preferred(on_gpu: bool, tokens: int, early_index: bool) -> bool:
@@ -1123,6 +1155,15 @@ class _Queries(NamedTuple):
         """int64 [Tq]: (the first packed key of each query's sequence, the key it sits at)."""
         return query_keys(self.Tq, self.Tk, self.cu_seqlens, self.cu_seqlens_k, self.device)
 
+    def span(self, t0: int, t1: int) -> "_Queries":
+        """Queries t0 .. t1 - 1 over the keys up to the last one's (fixed length: a window of the
+        stored-dS backward, `_ds_window`)."""
+        if (t0, t1) == (0, self.Tq):
+            return self
+        if self.varlen:
+            raise ValueError("packed sequences are not cut into query windows")
+        return _Queries(t1 - t0, t1 + self.Tk - self.Tq, None, None, self.device)
+
     def kernel_args(self, placeholder: Tensor) -> tuple:
         """(cu_q, cu_k, OFF, NSEQ) for the per-token kernels: the offsets unread for fixed
         length."""
@@ -1302,45 +1343,62 @@ def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
 
 
 class _IndexRecipe(NamedTuple):
-    """What an inverse index is built for: `_key_chunks`' arguments after the queries."""
+    """What an inverse index is built for: `_key_chunks`' arguments after the queries, and the
+    query windows it is cut into."""
     queries_per_chunk: int
     token_major: bool  # chunks in (KV head, first query) order; False: the deterministic mode's
     with_slots: bool   # the stored-dS backward's ent_slot
+    window: int        # query tokens per window (`_ds_window`; T: one)
 
 
-class BackwardIndex(NamedTuple):
-    """The dK dV pass's inverse index (`_key_chunks`'s four tensors), started by
-    `backward_index` before the backward needs it. ready: the side stream's event once it is
-    built (None: built on the current stream); recipe: what it was built for (`_index_recipe`)."""
+class KeyChunks(NamedTuple):
+    """`_key_chunks`' four tensors, for one query window."""
     ent_tok: Tensor
     ent_pos: Tensor
     ent_slot: Optional[Tensor]
     chunks: Tensor
+
+
+class BackwardIndex(NamedTuple):
+    """The dK dV pass's inverse index, one `KeyChunks` per query window, started by
+    `backward_index` before the backward needs it. ready: the side stream's event once it is
+    built (None: built on the current stream); recipe: what it was built for (`_index_recipe`)."""
+    windows: tuple[KeyChunks, ...]
     ready: Optional[torch.cuda.Event]
     recipe: _IndexRecipe
 
 
-def _index_recipe(q: Tensor, k: Tensor, v: Tensor, stored: bool, sel_block: int
+def _spans(T: int, window: int) -> list[tuple[int, int]]:
+    """The query windows (first, end) of T queries, window tokens each."""
+    return [(t0, min(T, t0 + window)) for t0 in range(0, T, window)]
+
+
+def _index_recipe(q: Tensor, k: Tensor, v: Tensor, window: Optional[int], sel_block: int
                   ) -> _IndexRecipe:
-    """The index the backward of these inputs reads."""
+    """The index the backward of these inputs reads, window: query tokens per window of the
+    stored-dS backward (None: dS is worked out again)."""
     gp2 = pow2(q.shape[2] // k.shape[2])
     _, bm, _, _ = _dkdv_config(q.dtype, sel_block, pow2(q.shape[3], 16), pow2(v.shape[3], 16),
                                gp2)
     ordered_adds = torch.are_deterministic_algorithms_enabled()
-    return _IndexRecipe(bm // gp2 * max(1, ROWS_PER_CHUNK // bm), not ordered_adds, stored)
+    return _IndexRecipe(bm // gp2 * max(1, ROWS_PER_CHUNK // bm), not ordered_adds,
+                        window is not None, q.shape[1] if window is None else window)
 
 
 def _start_index(bidx: Tensor, sel_block: int, queries: _Queries, recipe: _IndexRecipe,
                  fork: Optional[torch.cuda.Event]) -> BackwardIndex:
-    """The index of recipe, its some 60 small torch kernels on the side stream from event fork
-    (a GPU, eager) or on the current stream (fork None)."""
+    """The index of recipe, its some 60 small torch kernels a window on the side stream from
+    event fork (a GPU, eager) or on the current stream (fork None)."""
     side = _index_stream(bidx.device) if fork is not None else None
     if side is not None:
         side.wait_event(fork)
     with torch.cuda.stream(side):  # no-op for None: the current stream
-        tensors = _key_chunks(bidx, sel_block, queries, *recipe)
+        windows = tuple(KeyChunks(*_key_chunks(bidx[:, t0:t1], sel_block, queries.span(t0, t1),
+                                               recipe.queries_per_chunk, recipe.token_major,
+                                               recipe.with_slots))
+                        for t0, t1 in _spans(queries.Tq, recipe.window))
         ready = side.record_event() if side is not None else None
-    return BackwardIndex(*tensors, ready, recipe)
+    return BackwardIndex(windows, ready, recipe)
 
 
 def _fork(device: torch.device) -> Optional[torch.cuda.Event]:
@@ -1351,6 +1409,15 @@ def _fork(device: torch.device) -> Optional[torch.cuda.Event]:
     return torch.cuda.current_stream(device).record_event()
 
 
+def _ds_choice(q: Tensor, n: int, sel_block: int, queries: _Queries, stored_ds: Optional[bool],
+               early_index: bool) -> Optional[int]:
+    """Query tokens per window where the backward stores dS (`_ds_window`), None where it works
+    dq out again (stored_ds as `selection_attention_bwd` takes it)."""
+    stored = _stored_ds(stored_ds, _stored_ds_reason(q, n, sel_block, queries.varlen),
+                        _stored_ds_preferred(q.is_cuda, q.shape[0] * q.shape[1], early_index))
+    return _ds_window(q, n, sel_block, queries.varlen) if stored else None
+
+
 def backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
                    cu_seqlens: Optional[Tensor] = None, *,
                    cu_seqlens_k: Optional[Tensor] = None,
@@ -1359,11 +1426,10 @@ def backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block
     on a GPU on the side stream, so that it builds while other work runs: the eager layer starts
     it before the window and compressed backward (nsa_ops.eager)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
-    stored = _stored_ds(stored_ds, _stored_ds_reason(q, block_idx.shape[3], sel_block),
-                        _stored_ds_preferred(q.is_cuda, q.shape[0] * q.shape[1], True))
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(q.shape[1], k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
-    return _start_index(bidx, sel_block, queries, _index_recipe(q, k, v, stored, sel_block),
+    window = _ds_choice(q, block_idx.shape[3], sel_block, queries, stored_ds, True)
+    return _start_index(bidx, sel_block, queries, _index_recipe(q, k, v, window, sel_block),
                         _fork(q.device))
 
 
@@ -1383,13 +1449,14 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     which hands the walk its share of dq rounded to dq's dtype. stored_ds: the dK dV pass runs
     first and stores dS, from which dq is summed (`_dq_ds_kernel`; None: where
     `_stored_ds_reason` allows and `_stored_ds_preferred` finds it pays; True forces it, False
-    works dq out from K and V again). index:
-    the dK dV pass's inverse index as `backward_index` started it on the same inputs (None: built
-    here, on a GPU on the side stream while the passes before dK dV run)."""
+    works dq out from K and V again); the passes run over windows of `_ds_window` query tokens,
+    so that the dS buffer fits its budget. index: the dK dV pass's inverse index as
+    `backward_index` started it on the same inputs (None: built here, on a GPU on the side
+    stream while the passes before dK dV run)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G, n = HQ // H, block_idx.shape[3]
+    n = block_idx.shape[3]
     if len(dq_add) > 2 or any(x.shape != q.shape or x.device != q.device for x in dq_add):
         raise ValueError(f"dq_add must hold at most two tensors shaped like q "
                          f"{tuple(q.shape)} on {q.device}, got "
@@ -1404,19 +1471,45 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         return dq, dk.to(k.dtype), dv.to(v.dtype)
     # dO and O meet q's dtype in the dots (an fp32 upstream gradient is rounded like o was)
     q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o.to(q.dtype), do.to(q.dtype)))
-    lse = lse.to(torch.float32).contiguous()
-    dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
+    lse = lse.to(torch.float32)
+    dlse = dlse.to(torch.float32) if dlse is not None else None
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
-    stored = _stored_ds(stored_ds, _stored_ds_reason(q, n, sel_block),
-                        _stored_ds_preferred(q.is_cuda, B * T, index is not None))
-    dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
-    prec = dot_precision(q.dtype)
-    # dq's layout, so that the kernel reads them at dq's offsets
-    adds = [x.contiguous() for x in dq_add]
-    recipe = _index_recipe(q, k, v, stored, sel_block)
+    window = _ds_choice(q, n, sel_block, queries, stored_ds, index is not None)
+    recipe = _index_recipe(q, k, v, window, sel_block)
     if index is not None and index.recipe != recipe:
         raise ValueError(f"index: built for {index.recipe}, this backward reads {recipe}")
+    # dq's layout, so that the kernel reads them at dq's offsets
+    adds = [x.contiguous() for x in dq_add]
+    spans = _spans(T, recipe.window)
+    # one buffer for every window's dS (the first window is the longest)
+    ds = torch.empty(B * spans[0][1] * HQ * n * sel_block, dtype=q.dtype, device=q.device) \
+        if window is not None else None
+    for i, (t0, t1) in enumerate(spans):
+        part = None if index is None else BackwardIndex((index.windows[i],), index.ready, recipe)
+        rows = slice(t0, t1)
+        _bwd_window(q[:, rows], k, v, o[:, rows], lse[:, rows].contiguous(), do[:, rows],
+                    None if dlse is None else dlse[:, rows].contiguous(),
+                    bidx[:, rows].contiguous(), sel_block, scale, queries.span(t0, t1),
+                    dq[:, rows], [x[:, rows] for x in adds], dk, dv, ds, shared, recipe, part)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                dlse: Optional[Tensor], bidx: Tensor, sel_block: int, scale: float,
+                queries: _Queries, dq: Tensor, adds: list[Tensor], dk: Tensor, dv: Tensor,
+                ds: Optional[Tensor], shared: Optional[bool], recipe: _IndexRecipe,
+                index: Optional[BackwardIndex]) -> None:
+    """`selection_attention_bwd`'s passes for the queries of one window (q, o, lse, do, dlse,
+    bidx, dq and adds cut to them; queries: their place among the keys): writes their dq and adds
+    their share of dk / dv (fp32, every key of k) in place; ds: the dS buffer (None: dq is worked
+    out from K and V again); index: this window's (None: built here)."""
+    B, T, HQ, Dk = q.shape
+    Tk, H, Dv = dk.shape[1], k.shape[2], v.shape[3]
+    G, n = HQ // H, bidx.shape[3]
+    stored = ds is not None
+    dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
+    prec = dot_precision(q.dtype)
     # the dK dV kernel's inverse index (some 60 small torch kernels) depends on block_idx alone:
     # on a GPU it is built on a side stream, from before the passes that precede dK dV
     fork = _fork(q.device) if index is None else None
@@ -1433,7 +1526,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     rows = bidx
     skip_passed = bool(group) and stored  # the plan marks the slots dq's shared pass takes
     if group:
-        off = Tk - T
+        off = queries.Tk - T
         num_groups = _num_groups(T, off, group)
         rows = torch.empty_like(bidx)
         plan = torch.empty(num_groups * B * H, dtype=torch.int64, device=q.device)
@@ -1463,18 +1556,17 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     ordered_adds = not recipe.token_major
     if index is None:
         index = _start_index(bidx, sel_block, queries, recipe, fork)
-    ent_tok, ent_pos, ent_slot, chunks, ready, _ = index
-    if ready is not None:
+    (ent_tok, ent_pos, ent_slot, chunks), = index.windows
+    if index.ready is not None:
         main = torch.cuda.current_stream(q.device)
-        main.wait_event(ready)
+        main.wait_event(index.ready)
         for x in (ent_tok, ent_pos, ent_slot, chunks):
             if x is not None:
                 x.record_stream(main)
-    ds = torch.empty(B, T, HQ, n, sel_block, dtype=q.dtype, device=q.device) if stored else dq
     grid = (chunks.shape[0], triton.cdiv(sel_block, bn))
     sync = ordered.sync_buffer(grid[0] * grid[1], q.device) if ordered_adds else bidx
     launch(_dkdv_kernel)[(grid[0] * grid[1],) if ordered_adds else grid](
-        q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos,
+        q, k, v, do, lse, delta, dk, dv, ds if stored else dq, chunks, ent_tok, ent_pos,
         ent_slot if stored else ent_tok, passed_slots if skip_passed else ent_tok, sync,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, Tk, n, scale, qk_scale,
@@ -1488,4 +1580,3 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
             SEL=sel_block, BN=_key_tile_size("dq_ds", sel_block, dkp, dvp), NP=pow2(n),
             IS_VARLEN=queries.varlen, ADDS=len(adds), TT=group, PREC=prec,
             **_per_token_launch("dq_ds", q.dtype))
-    return dq, dk.to(k.dtype), dv.to(v.dtype)

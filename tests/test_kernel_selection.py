@@ -212,21 +212,70 @@ def test_stored_ds_pays_from_min_tokens_without_an_early_index():
     assert sel_kernels._stored_ds_preferred(False, short, False)
 
 
+def ds_budget(monkeypatch, q, n, sel_block, tokens):
+    """Gives the dS buffer a budget of `tokens` query tokens' dS, as a GPU's memory would."""
+    per_token = q.shape[0] * q.shape[2] * n * sel_block * q.element_size()
+    monkeypatch.setattr(sel_kernels, "_ds_budget", lambda device: tokens * per_token)
+
+
+@pytest.mark.parametrize("case,window", [(CASES[1], 16), (CASES[2], 32), (CASES[9], 8),
+                                         (CASES[12], 16)],
+                         ids=["fp16-B2", "fp32-chunks", "fp32-l48", "wide-fp16"])
+def test_selection_stored_ds_windows(case, window, monkeypatch, poisoned_empty):
+    """A dS buffer over its budget: the passes run window by window over the queries, the dS of
+    one window at a time (a budget of 1.5 windows' tokens: windows of the power of two below),
+    dk / dv summed over the windows."""
+    B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, with_dlse, extra = case
+    if extra == "chunks":
+        monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
+    q, k, v, block_idx = case_inputs(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, extra)
+    ds_budget(monkeypatch, q, n, sel_block, window * 3 // 2)
+    assert sel_kernels._ds_window(q, n, sel_block, False) == window
+    spy = LaunchSpy(sel_kernels._dq_ds_kernel)
+    monkeypatch.setattr(sel_kernels, "_dq_ds_kernel", spy)
+    run_case(q, k, v, block_idx, sel_block, dtype, with_dlse)
+    assert spy.launches == -(-T // window)
+
+
+def test_stored_ds_window_rule(monkeypatch):
+    """All queries in one window where their dS fits the budget, else the largest power of two
+    that does; packed sequences are not cut, and a budget below one token's dS is refused with
+    the reason."""
+    q = torch.empty(2, 100, 8, 16)
+    ds_budget(monkeypatch, q, 4, 16, 100)
+    assert sel_kernels._ds_window(q, 4, 16, False) == 100
+    assert sel_kernels._ds_window(q, 4, 16, True) == 100
+    ds_budget(monkeypatch, q, 4, 16, 99)
+    assert sel_kernels._ds_window(q, 4, 16, False) == 64
+    assert sel_kernels._ds_window(q, 4, 16, True) is None
+    assert "packed sequences' dS buffer" in sel_kernels._stored_ds_reason(q, 4, 16, True)
+    assert sel_kernels._stored_ds_reason(q, 4, 16, False) is None
+    ds_budget(monkeypatch, q, 4, 16, 0.5)
+    assert sel_kernels._ds_window(q, 4, 16, False) is None
+    assert "dS buffer of one query token" in sel_kernels._stored_ds_reason(q, 4, 16, False)
+
+
 @pytest.mark.parametrize("stored_ds", [True, False])
 def test_selection_backward_index(stored_ds, monkeypatch, poisoned_empty):
     """index= (`backward_index`, which the eager layer starts early): the gradients of the
     backward that builds its own, bitwise; an index built for another backward is refused."""
     monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
     q, k, v, block_idx = case_inputs(*CASES[7][:10], CASES[7][11])
+    ds_budget(monkeypatch, q, block_idx.shape[3], 16, 20)  # stored: windows of 16 queries
     o, lse = selection_attention_fwd(q, k, v, block_idx, 16, 0.25)
     args = (q, k, v, o, lse, o, None, block_idx, 16, 0.25)
     index = sel_kernels.backward_index(q, k, v, block_idx, 16, stored_ds=stored_ds)
+    assert len(index.windows) == (4 if stored_ds else 1)
     got = selection_attention_bwd(*args, stored_ds=stored_ds, index=index)
     want = selection_attention_bwd(*args, stored_ds=stored_ds)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="index: built for"):
         selection_attention_bwd(*args, stored_ds=not stored_ds, index=index)
+    if stored_ds:  # windows of another length
+        ds_budget(monkeypatch, q, block_idx.shape[3], 16, 40)
+        with pytest.raises(ValueError, match="index: built for"):
+            selection_attention_bwd(*args, stored_ds=True, index=index)
 
 
 # The forward's TMA loads (sm90+ GPUs pick them; the interpreter runs them when asked): whole
@@ -287,19 +336,23 @@ def shared_case_block_idx(q, k, Tq, sel_block, n, run, drop):
     return as_set(torch.where(victim, -1, block_idx))
 
 
-@pytest.mark.parametrize("B,Tk,Tq,H,G,Dk,Dv,sel_block,n,dtype,run,drop,stored_ds",
-                         [case + (True,) for case in SHARED_CASES]
-                         + [SHARED_CASES[i] + (False,) for i in (1, 5, 7)])
+@pytest.mark.parametrize("B,Tk,Tq,H,G,Dk,Dv,sel_block,n,dtype,run,drop,stored_ds,window",
+                         [case + (True, None) for case in SHARED_CASES]
+                         + [SHARED_CASES[i] + (False, None) for i in (1, 5, 7)]
+                         + [SHARED_CASES[1] + (True, 16), SHARED_CASES[4] + (True, 32)])
 def test_selection_shared_pass(B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run, drop,
-                               stored_ds, monkeypatch, poisoned_empty):
+                               stored_ds, window, monkeypatch, poisoned_empty):
     """The forward's pass and dq's (`_shared_dq_kernel`), the latter taking groups that share
     2 blocks or more here, so that some groups leave it all to the walk and others do not; the
     walk sums dq from stored dS (finding each of its blocks' slots in block_idx, which repeats
-    some) or works it out again."""
+    some) or works it out again. window: dS over windows of that many queries (the groups of
+    16 / 4 queries of the two cases straddle none / some of their edges)."""
     monkeypatch.setattr(sel_kernels, "SHARED_DQ_MIN", 2)
     q, k, v = make_qkv(B, Tk, H, G, Dk, Dv, dtype, seed=7)
     block_idx = shared_case_block_idx(q, k, Tq, sel_block, n, run, drop)
     q = q[:, Tk - Tq:]
+    if window:
+        ds_budget(monkeypatch, q, n, sel_block, window + 1)
     scale = Dk ** -0.5
     gen = torch.Generator().manual_seed(9)
     do = torch.randn(q.shape[:3] + (Dv,), generator=gen).to(dtype)
@@ -407,15 +460,18 @@ def test_selection_future_keys_unread(tma, shared, poisoned_empty):
         assert not torch.isnan(b).any() and torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("case,stored_ds", [(CASES[2], True), (CASES[9], True),
-                                            (CASES[2], False)],
-                         ids=["fp32-l16", "fp32-l48", "fp32-l16-recomputed"])
-def test_selection_kernels_ordered(case, stored_ds, monkeypatch, poisoned_empty, deterministic):
+@pytest.mark.parametrize("case,stored_ds,window", [(CASES[2], True, None), (CASES[9], True, None),
+                                                   (CASES[2], False, None), (CASES[2], True, 32)],
+                         ids=["fp32-l16", "fp32-l48", "fp32-l16-recomputed", "fp32-l16-windows"])
+def test_selection_kernels_ordered(case, stored_ds, window, monkeypatch, poisoned_empty,
+                                   deterministic):
     """Deterministic mode (kernels/ordered.py): the chunks of a block add in chunk order, with
-    one query per chunk so that blocks span many chunks."""
+    one query per chunk so that blocks span many chunks; windows: one window's after another's."""
     B, T, H, G, Dk, Dv, sel_block, n, dtype, _, with_dlse, _ = case
     monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
     q, k, v = make_qkv(B, T, H, G, Dk, Dv, dtype)
+    if window:
+        ds_budget(monkeypatch, q, n, sel_block, window)
     run_case(q, k, v, random_block_idx(B, T, H, n, sel_block), sel_block, dtype, with_dlse,
              stored_ds=stored_ds)
 
@@ -517,6 +573,17 @@ def test_selection_kernels_gpu_varlen(dtype, T, stored_ds):
     lens = torch.tensor([T // 8, T // 2 - 77, T - T // 8 - (T // 2 - 77)])
     cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32).cuda()
     run_gpu_case(1, T, 4, 16, 128, 128, dtype, cu_seqlens, stored_ds=stored_ds)
+
+
+@pytest.mark.gpu
+def test_selection_kernels_gpu_windows(monkeypatch):
+    """The stored-dS backward over query windows of 2048 tokens (a budget of 3000 tokens' dS, as
+    a GPU too small for the whole buffer would give) at 8k."""
+    monkeypatch.setattr(sel_kernels, "_ds_budget", lambda device: 3000 * 64 * 16 * 64 * 2)
+    spy = LaunchSpy(sel_kernels._dq_ds_kernel)
+    monkeypatch.setattr(sel_kernels, "_dq_ds_kernel", spy)
+    run_gpu_case(1, 8192, 4, 16, 128, 128, torch.bfloat16, stored_ds=True)
+    assert spy.launches == 4
 
 
 @pytest.mark.gpu
