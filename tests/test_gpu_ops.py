@@ -4,6 +4,7 @@ import torch
 
 import nsa_ops
 from nsa_ops import reference as R, routing
+from nsa_ops.kernels import selection
 from helpers import cu_seqlens, gates, qkv, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -12,14 +13,23 @@ REL = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("T,HQ,H,Dk,Dv,lengths", [
-    (2048, 16, 4, 64, 64, None),
-    (4096, 64, 4, 128, 128, None),
-    (1500, 8, 8, 192, 128, None),
-    (3000, 32, 2, 128, 128, (1000, 37, 1963)),
+# window: the selection backward's stored dS over query windows of that many tokens (a budget
+# as a GPU too small for the whole buffer would give), through the eager layer's early index
+@pytest.mark.parametrize("T,HQ,H,Dk,Dv,lengths,window", [
+    (2048, 16, 4, 64, 64, None, None),
+    (4096, 64, 4, 128, 128, None, None),
+    (4096, 64, 4, 128, 128, None, 1024),
+    (1500, 8, 8, 192, 128, None, None),
+    (3000, 32, 2, 128, 128, (1000, 37, 1963), None),
 ])
-def test_nsa_attention_cuda_matches_reference(T, HQ, H, Dk, Dv, lengths, dtype):
+def test_nsa_attention_cuda_matches_reference(T, HQ, H, Dk, Dv, lengths, window, dtype,
+                                              monkeypatch):
+    if window:
+        per_token = HQ * 16 * 64 * dtype.itemsize
+        monkeypatch.setattr(selection, "_ds_budget", lambda device: window * per_token)
     q, k, v = qkv(1, T, HQ, H, Dk, Dv, dtype, seed=T, requires_grad=True, device="cuda")
+    if window:
+        assert selection._ds_window(q, 16, 64, False) == window
     g = [x.cuda() for x in gates(1, T, HQ, dtype)]
     cu = cu_seqlens(lengths, "cuda") if lengths else None
     x = routing.Inputs.of(q, v, cu)

@@ -587,10 +587,14 @@ def test_selection_kernels_gpu_windows(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_backward_index_stream(monkeypatch):
-    """The inverse index built on the side stream while dq runs: gradients bitwise those of the
-    one-stream backward (deterministic mode: ordered dK dV adds), eagerly and replayed from a
-    CUDA graph, whose capture forks and joins the side stream."""
+@pytest.mark.parametrize("stored_ds,windows", [(False, 1), (True, 1), (True, 2)])
+def test_gpu_backward_index_stream(stored_ds, windows, monkeypatch):
+    """The inverse index built on the side stream while the passes before dK dV run: gradients
+    bitwise those of the one-stream backward (deterministic mode: ordered dK dV adds), eagerly
+    and replayed from a CUDA graph, whose capture forks and joins the side stream (stored dS:
+    once per query window, here 1 or 2)."""
+    if windows > 1:
+        monkeypatch.setattr(sel_kernels, "_ds_budget", lambda device: 3000 * 64 * 16 * 64 * 2)
     torch.use_deterministic_algorithms(True)
     try:
         q, k, v = make_qkv(1, 4096, 4, 16, 128, 128, torch.bfloat16, device="cuda")
@@ -598,7 +602,9 @@ def test_gpu_backward_index_stream(monkeypatch):
         block_idx = spec_block_idx(q, k, 64, 16, scale)
         o, lse = selection_attention_fwd(q, k, v, block_idx, 64, scale)
         do = torch.randn_like(o)
-        bwd = lambda: selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, 64, scale)
+        bwd = lambda: selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, 64, scale,
+                                              stored_ds=stored_ds)
+        assert sel_kernels._ds_window(q, 16, 64, False) == 4096 // windows
         with monkeypatch.context() as one_stream:
             one_stream.setattr(sel_kernels, "_index_stream", lambda device: None)
             want = bwd()
