@@ -34,9 +34,11 @@ Under torch.use_deterministic_algorithms(True) the chunks of a block add in chun
 (kernels/ordered.py), so gradients are bitwise reproducible.
 
 dq can instead come after dk/dv, from the dS the dK dV pass works out anyway and stores
-(`_dq_ds_kernel`, `_stored_ds`: the default where its buffer fits, on a GPU without an index
-started early from STORED_DS_MIN_TOKENS query tokens): each (query, block) then
-gathers K alone, with one dot, where `_dq_kernel` gathers K and V and works P and dS out again.
+(`_dq_ds_kernel`, `_stored_ds`: the default, on a GPU without an index started early from
+STORED_DS_MIN_TOKENS query tokens; where the buffer would pass its budget, over windows of
+queries, `_ds_window`; packed sequences whose whole buffer does not fit work dq out again): each
+(query, block) then gathers K alone, with one dot, where `_dq_kernel` gathers K and V and works P
+and dS out again.
 H100, bf16, spec geometry, whole selection backward, three interleaved rounds, recomputed ->
 stored: random selections at 8k / 16k / 64k 3.74-3.75 / 7.74-8.06 / 34.02-34.04 -> 3.64-3.65 /
 7.10-7.13 / 29.88-30.16 ms; runs of 64 tokens selecting alike 2.84-2.85 / 5.84-6.00 /
@@ -563,35 +565,39 @@ def _ds_budget(device: torch.device) -> Optional[int]:
     return torch.cuda.get_device_properties(device).total_memory // STORED_DS_SHARE
 
 
-def _ds_window(q: Tensor, n: int, sel_block: int, varlen: bool) -> Optional[int]:
-    """Query tokens per window of the stored-dS backward, which runs its passes window by window
-    over one buffer of that many tokens' dS: all T where their buffer fits `_ds_budget`; past
-    that, for fixed lengths, the largest power of two that fits (None: none fits, the length is
-    symbolic, or packed sequences, which are not cut)."""
-    B, T, HQ = q.shape[:3]
-    if not isinstance(T, int):
+def _ds_token_bytes(q: Tensor, n: int, sel_block: int) -> int:
+    """Bytes of one query token's dS: B * HQ * n * l' values in q's dtype."""
+    return q.shape[0] * q.shape[2] * n * sel_block * q.element_size()
+
+
+def _ds_window(q: Tensor, n: int, sel_block: int) -> Optional[int]:
+    """Query tokens per window of the stored-dS backward, which then runs its passes window by
+    window over one buffer of that many tokens' dS: where all T tokens' buffer would pass
+    `_ds_budget`, the largest power of two whose buffer fits (`_stored_ds_reason` refuses where
+    none does, and packed sequences, which are not cut); None where one window takes them all."""
+    T, budget = q.shape[1], _ds_budget(q.device)
+    per_token = _ds_token_bytes(q, n, sel_block)
+    if budget is None or not isinstance(T, int) or T * per_token <= budget:
         return None
-    per_token = B * HQ * n * sel_block * q.element_size()
-    budget = _ds_budget(q.device)
-    if budget is None or T * per_token <= budget:
-        return T
-    if varlen or per_token > budget:
-        return None
-    return 1 << (budget // per_token).bit_length() - 1
+    return 1 << max(0, (budget // per_token).bit_length() - 1)
 
 
 def _stored_ds_reason(q: Tensor, n: int, sel_block: int, varlen: bool) -> Optional[str]:
     """Why the backward works dq out from K and V again (`_dq_kernel`) instead of summing it from
-    the dS its dK dV pass stores (None: it can store them, `_ds_window` tokens at a time)."""
-    if not isinstance(q.shape[1], int):
+    the dS its dK dV pass stores (None: it can store them, over `_ds_window`s where needed)."""
+    T = q.shape[1]
+    if not isinstance(T, int):
         return "the length is symbolic (a dynamic-length trace): the dS buffer has no known size"
-    if _ds_window(q, n, sel_block, varlen) is not None:
+    if _ds_window(q, n, sel_block) is None:
         return None
-    tokens = q.shape[1] if varlen else 1
-    need = q.shape[0] * tokens * q.shape[2] * n * sel_block * q.element_size() / 2 ** 30
-    what = "packed sequences' dS buffer (not cut into windows)" if varlen else \
-        "dS buffer of one query token"
-    return f"the {what} ({need:.1f} GiB) would take over 1/{STORED_DS_SHARE} of the GPU's memory"
+    per_token = _ds_token_bytes(q, n, sel_block)
+    share = f"would take over 1/{STORED_DS_SHARE} of the GPU's memory"
+    if varlen:
+        return (f"the dS buffer of packed sequences ({T * per_token / 2 ** 30:.1f} GiB), which "
+                f"are not cut into windows, {share}")
+    if per_token > _ds_budget(q.device):
+        return f"the dS buffer of one query token ({per_token / 2 ** 30:.1f} GiB) {share}"
+    return None
 
 
 def _stored_ds_preferred(on_gpu: bool, tokens: int, early_index: bool) -> bool:
@@ -1155,14 +1161,15 @@ class _Queries(NamedTuple):
         """int64 [Tq]: (the first packed key of each query's sequence, the key it sits at)."""
         return query_keys(self.Tq, self.Tk, self.cu_seqlens, self.cu_seqlens_k, self.device)
 
-    def span(self, t0: int, t1: int) -> "_Queries":
-        """Queries t0 .. t1 - 1 over the keys up to the last one's (fixed length: a window of the
-        stored-dS backward, `_ds_window`)."""
-        if (t0, t1) == (0, self.Tq):
+    def span(self, rows: slice) -> "_Queries":
+        """The queries of rows (a `_spans` window) over the keys up to their last one's (fixed
+        length, when rows cut them)."""
+        if rows == slice(None):
             return self
         if self.varlen:
             raise ValueError("packed sequences are not cut into query windows")
-        return _Queries(t1 - t0, t1 + self.Tk - self.Tq, None, None, self.device)
+        return _Queries(rows.stop - rows.start, rows.stop + self.Tk - self.Tq, None, None,
+                        self.device)
 
     def kernel_args(self, placeholder: Tensor) -> tuple:
         """(cu_q, cu_k, OFF, NSEQ) for the per-token kernels: the offsets unread for fixed
@@ -1348,7 +1355,7 @@ class _IndexRecipe(NamedTuple):
     queries_per_chunk: int
     token_major: bool  # chunks in (KV head, first query) order; False: the deterministic mode's
     with_slots: bool   # the stored-dS backward's ent_slot
-    window: int        # query tokens per window (`_ds_window`; T: one)
+    window: Optional[int]  # query tokens per window (`_ds_window`; None: one, all of them)
 
 
 class KeyChunks(NamedTuple):
@@ -1368,21 +1375,24 @@ class BackwardIndex(NamedTuple):
     recipe: _IndexRecipe
 
 
-def _spans(T: int, window: int) -> list[tuple[int, int]]:
-    """The query windows (first, end) of T queries, window tokens each."""
-    return [(t0, min(T, t0 + window)) for t0 in range(0, T, window)]
+def _spans(T: int, window: Optional[int]) -> list[slice]:
+    """The query windows of T queries, window tokens each (None: one, all of them, with no
+    arithmetic on T, which a dynamic-length trace keeps symbolic)."""
+    if window is None:
+        return [slice(None)]
+    return [slice(t0, min(T, t0 + window)) for t0 in range(0, T, window)]
 
 
-def _index_recipe(q: Tensor, k: Tensor, v: Tensor, window: Optional[int], sel_block: int
-                  ) -> _IndexRecipe:
-    """The index the backward of these inputs reads, window: query tokens per window of the
-    stored-dS backward (None: dS is worked out again)."""
+def _index_recipe(q: Tensor, k: Tensor, v: Tensor, stored: bool, window: Optional[int],
+                  sel_block: int) -> _IndexRecipe:
+    """The index the backward of these inputs reads (stored: dS, over windows of window query
+    tokens)."""
     gp2 = pow2(q.shape[2] // k.shape[2])
     _, bm, _, _ = _dkdv_config(q.dtype, sel_block, pow2(q.shape[3], 16), pow2(v.shape[3], 16),
                                gp2)
     ordered_adds = torch.are_deterministic_algorithms_enabled()
-    return _IndexRecipe(bm // gp2 * max(1, ROWS_PER_CHUNK // bm), not ordered_adds,
-                        window is not None, q.shape[1] if window is None else window)
+    return _IndexRecipe(bm // gp2 * max(1, ROWS_PER_CHUNK // bm), not ordered_adds, stored,
+                        window)
 
 
 def _start_index(bidx: Tensor, sel_block: int, queries: _Queries, recipe: _IndexRecipe,
@@ -1393,10 +1403,10 @@ def _start_index(bidx: Tensor, sel_block: int, queries: _Queries, recipe: _Index
     if side is not None:
         side.wait_event(fork)
     with torch.cuda.stream(side):  # no-op for None: the current stream
-        windows = tuple(KeyChunks(*_key_chunks(bidx[:, t0:t1], sel_block, queries.span(t0, t1),
+        windows = tuple(KeyChunks(*_key_chunks(bidx[:, rows], sel_block, queries.span(rows),
                                                recipe.queries_per_chunk, recipe.token_major,
                                                recipe.with_slots))
-                        for t0, t1 in _spans(queries.Tq, recipe.window))
+                        for rows in _spans(queries.Tq, recipe.window))
         ready = side.record_event() if side is not None else None
     return BackwardIndex(windows, ready, recipe)
 
@@ -1410,12 +1420,12 @@ def _fork(device: torch.device) -> Optional[torch.cuda.Event]:
 
 
 def _ds_choice(q: Tensor, n: int, sel_block: int, queries: _Queries, stored_ds: Optional[bool],
-               early_index: bool) -> Optional[int]:
-    """Query tokens per window where the backward stores dS (`_ds_window`), None where it works
-    dq out again (stored_ds as `selection_attention_bwd` takes it)."""
+               early_index: bool) -> tuple[bool, Optional[int]]:
+    """(whether the backward stores dS, its `_ds_window`) for stored_ds as
+    `selection_attention_bwd` takes it."""
     stored = _stored_ds(stored_ds, _stored_ds_reason(q, n, sel_block, queries.varlen),
                         _stored_ds_preferred(q.is_cuda, q.shape[0] * q.shape[1], early_index))
-    return _ds_window(q, n, sel_block, queries.varlen) if stored else None
+    return stored, _ds_window(q, n, sel_block) if stored else None
 
 
 def backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
@@ -1428,9 +1438,9 @@ def backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(q.shape[1], k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
-    window = _ds_choice(q, block_idx.shape[3], sel_block, queries, stored_ds, True)
-    return _start_index(bidx, sel_block, queries, _index_recipe(q, k, v, window, sel_block),
-                        _fork(q.device))
+    stored, window = _ds_choice(q, block_idx.shape[3], sel_block, queries, stored_ds, True)
+    return _start_index(bidx, sel_block, queries,
+                        _index_recipe(q, k, v, stored, window, sel_block), _fork(q.device))
 
 
 def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
@@ -1475,22 +1485,20 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     dlse = dlse.to(torch.float32) if dlse is not None else None
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
-    window = _ds_choice(q, n, sel_block, queries, stored_ds, index is not None)
-    recipe = _index_recipe(q, k, v, window, sel_block)
+    stored, window = _ds_choice(q, n, sel_block, queries, stored_ds, index is not None)
+    recipe = _index_recipe(q, k, v, stored, window, sel_block)
     if index is not None and index.recipe != recipe:
         raise ValueError(f"index: built for {index.recipe}, this backward reads {recipe}")
     # dq's layout, so that the kernel reads them at dq's offsets
     adds = [x.contiguous() for x in dq_add]
-    spans = _spans(T, recipe.window)
-    # one buffer for every window's dS (the first window is the longest)
-    ds = torch.empty(B * spans[0][1] * HQ * n * sel_block, dtype=q.dtype, device=q.device) \
-        if window is not None else None
-    for i, (t0, t1) in enumerate(spans):
+    # one buffer for every window's dS
+    ds = torch.empty(B * (T if window is None else window) * HQ * n * sel_block, dtype=q.dtype,
+                     device=q.device) if stored else None
+    for i, rows in enumerate(_spans(T, window)):
         part = None if index is None else BackwardIndex((index.windows[i],), index.ready, recipe)
-        rows = slice(t0, t1)
         _bwd_window(q[:, rows], k, v, o[:, rows], lse[:, rows].contiguous(), do[:, rows],
                     None if dlse is None else dlse[:, rows].contiguous(),
-                    bidx[:, rows].contiguous(), sel_block, scale, queries.span(t0, t1),
+                    bidx[:, rows].contiguous(), sel_block, scale, queries.span(rows),
                     dq[:, rows], [x[:, rows] for x in adds], dk, dv, ds, shared, recipe, part)
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 

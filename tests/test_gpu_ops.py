@@ -29,7 +29,7 @@ def test_nsa_attention_cuda_matches_reference(T, HQ, H, Dk, Dv, lengths, window,
         monkeypatch.setattr(selection, "_ds_budget", lambda device: window * per_token)
     q, k, v = qkv(1, T, HQ, H, Dk, Dv, dtype, seed=T, requires_grad=True, device="cuda")
     if window:
-        assert selection._ds_window(q, 16, 64, False) == window
+        assert selection._ds_window(q, 16, 64) == window
     g = [x.cuda() for x in gates(1, T, HQ, dtype)]
     cu = cu_seqlens(lengths, "cuda") if lengths else None
     x = routing.Inputs.of(q, v, cu)

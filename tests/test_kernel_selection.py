@@ -215,7 +215,7 @@ def test_stored_ds_pays_from_min_tokens_without_an_early_index():
 def ds_budget(monkeypatch, q, n, sel_block, tokens):
     """Gives the dS buffer a budget of `tokens` query tokens' dS, as a GPU's memory would."""
     per_token = q.shape[0] * q.shape[2] * n * sel_block * q.element_size()
-    monkeypatch.setattr(sel_kernels, "_ds_budget", lambda device: tokens * per_token)
+    monkeypatch.setattr(sel_kernels, "_ds_budget", lambda device: int(tokens * per_token))
 
 
 @pytest.mark.parametrize("case,window", [(CASES[1], 16), (CASES[2], 32), (CASES[9], 8),
@@ -230,7 +230,7 @@ def test_selection_stored_ds_windows(case, window, monkeypatch, poisoned_empty):
         monkeypatch.setattr(sel_kernels, "ROWS_PER_CHUNK", 1)
     q, k, v, block_idx = case_inputs(B, T, H, G, Dk, Dv, sel_block, n, dtype, selection, extra)
     ds_budget(monkeypatch, q, n, sel_block, window * 3 // 2)
-    assert sel_kernels._ds_window(q, n, sel_block, False) == window
+    assert sel_kernels._ds_window(q, n, sel_block) == window
     spy = LaunchSpy(sel_kernels._dq_ds_kernel)
     monkeypatch.setattr(sel_kernels, "_dq_ds_kernel", spy)
     run_case(q, k, v, block_idx, sel_block, dtype, with_dlse)
@@ -238,21 +238,21 @@ def test_selection_stored_ds_windows(case, window, monkeypatch, poisoned_empty):
 
 
 def test_stored_ds_window_rule(monkeypatch):
-    """All queries in one window where their dS fits the budget, else the largest power of two
-    that does; packed sequences are not cut, and a budget below one token's dS is refused with
-    the reason."""
+    """All queries in one window (None) where their dS fits the budget, else windows of the
+    largest power of two that does; packed sequences are not cut, and a budget below one
+    token's dS is refused with the reason."""
     q = torch.empty(2, 100, 8, 16)
     ds_budget(monkeypatch, q, 4, 16, 100)
-    assert sel_kernels._ds_window(q, 4, 16, False) == 100
-    assert sel_kernels._ds_window(q, 4, 16, True) == 100
+    assert sel_kernels._ds_window(q, 4, 16) is None
+    assert sel_kernels._stored_ds_reason(q, 4, 16, True) is None
     ds_budget(monkeypatch, q, 4, 16, 99)
-    assert sel_kernels._ds_window(q, 4, 16, False) == 64
-    assert sel_kernels._ds_window(q, 4, 16, True) is None
-    assert "packed sequences' dS buffer" in sel_kernels._stored_ds_reason(q, 4, 16, True)
+    assert sel_kernels._ds_window(q, 4, 16) == 64
     assert sel_kernels._stored_ds_reason(q, 4, 16, False) is None
+    assert "dS buffer of packed sequences" in sel_kernels._stored_ds_reason(q, 4, 16, True)
     ds_budget(monkeypatch, q, 4, 16, 0.5)
-    assert sel_kernels._ds_window(q, 4, 16, False) is None
     assert "dS buffer of one query token" in sel_kernels._stored_ds_reason(q, 4, 16, False)
+    monkeypatch.setattr(sel_kernels, "_ds_budget", lambda device: None)  # off a GPU: no bound
+    assert sel_kernels._ds_window(q, 4, 16) is None
 
 
 @pytest.mark.parametrize("stored_ds", [True, False])
@@ -604,7 +604,7 @@ def test_gpu_backward_index_stream(stored_ds, windows, monkeypatch):
         do = torch.randn_like(o)
         bwd = lambda: selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, 64, scale,
                                               stored_ds=stored_ds)
-        assert sel_kernels._ds_window(q, 16, 64, False) == 4096 // windows
+        assert sel_kernels._ds_window(q, 16, 64) == (2048 if windows > 1 else None)
         with monkeypatch.context() as one_stream:
             one_stream.setattr(sel_kernels, "_index_stream", lambda device: None)
             want = bwd()
