@@ -869,6 +869,19 @@ def _pass_took(row, N, NP: tl.constexpr, TT: tl.constexpr):
 
 
 @triton.jit
+def _group_program(H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr):
+    """(t, b, h, query heads [GP], their mask) of a per-token dq program: query token t (grid
+    axis 0) of batch b and KV head h (axis 1, b * H + h), the G heads of its group padded to GP."""
+    t = tl.program_id(0).to(tl.int64)
+    bh = tl.program_id(1)
+    # int64: head offsets of head-major inputs (stride T * D) pass 2**31 at long T
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    g = tl.arange(0, GP)
+    return t, b, h, h * G + g, g < G
+
+
+@triton.jit
 def _store_dq(acc, dq, dq_add0, dq_add1, rows, gmask, passed, DK: tl.constexpr,
               DKP: tl.constexpr, ADDS: tl.constexpr, TT: tl.constexpr):
     """Writes a walk's dq rows (acc, scaled): plus what dq's shared pass wrote there (passed)
@@ -899,14 +912,7 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    t = tl.program_id(0).to(tl.int64)
-    bh = tl.program_id(1)
-    # int64: head offsets of head-major inputs (stride T * D) pass 2**31 at long T
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    g = tl.arange(0, GP)
-    gmask = g < G
-    heads = h * G + g
+    t, b, h, heads, gmask = _group_program(H, G, GP)
     qt = _load_tile(q, b * sq_b + t * sq_t + heads * sq_h, gmask, DK, DKP)
     dot_ = _load_tile(do, b * sdo_b + t * sdo_t + heads * sdo_h, gmask, DV, DVP)
     row, kept, first_slot, n_walk, start, last, _ = _token_blocks(
@@ -944,13 +950,7 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
     P and dS out again. Adds dq_add0 / dq_add1 as `_dq_kernel` does. TT > 0: the shared pass ran,
     bidx holds its `_rest_rows` and orig the block_idx rows, where a block's slot is found."""
     scale = tl.cast(scale, tl.float32)
-    t = tl.program_id(0).to(tl.int64)
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    g = tl.arange(0, GP)
-    gmask = g < G
-    heads = h * G + g
+    t, b, h, heads, gmask = _group_program(H, G, GP)
     row, kept, first_slot, n_walk, start, last, _ = _token_blocks(
         bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, TT)
     passed = _pass_took(row, N, NP, TT)
