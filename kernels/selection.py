@@ -557,9 +557,11 @@ STORED_DS_SHARE = 16
 STORED_DS_MIN_TOKENS = 16384
 
 
+@functools.cache
 def _ds_budget(device: torch.device) -> Optional[int]:
     """Bytes the dS buffer may take on device: 1 / STORED_DS_SHARE of a GPU's memory; None off a
-    GPU (the interpreter: no bound)."""
+    GPU (the interpreter: no bound). Asked once per device, as `utils.device_capability`: every
+    backward asks it two or three times (`_ds_choice`)."""
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_properties(device).total_memory // STORED_DS_SHARE
