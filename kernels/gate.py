@@ -7,7 +7,9 @@ kernels (three broadcasting multiplies, two adds) and writes four intermediates;
 that is ~5 ms of the NSA forward on an H100. One pass reads the branch outputs once, sums in
 fp32 and writes o; the backward writes the three branch grads and, when the gates need grads,
 their row sums of dO * o in the same pass. Under torch.compile Inductor fuses the expression
-itself (into the selection template's epilogue), so nsa_attention uses these only eagerly.
+itself (into the selection template's epilogue), so nsa_attention uses these only eagerly, and
+there the selection forward's own epilogue runs the combine (`gated_rows`) where the Triton
+kernel serves the branch.
 """
 from __future__ import annotations
 
@@ -45,14 +47,25 @@ def _gate(ptr, rows, rmask, stride):
 
 
 @triton.jit
+def gated_rows(o_slc, OC, OW, GC, GS, GW, rows, rmask, sgc, sgs, sgw, DV: tl.constexpr,
+               DVP: tl.constexpr, HAS_WIN: tl.constexpr):
+    """The combine of rows (fp32), the selection branch's given as the fp32 tile o_slc: what
+    this module's forward kernel sums, and the selection forward's epilogue where it runs the
+    combine itself (`selection_attention_gated_fwd`)."""
+    acc = _gate(GC, rows, rmask, sgc)[:, None] * _tile(OC, rows, rmask, DV, DVP)
+    acc += _gate(GS, rows, rmask, sgs)[:, None] * o_slc
+    if HAS_WIN:
+        acc += _gate(GW, rows, rmask, sgw)[:, None] * _tile(OW, rows, rmask, DV, DVP)
+    return acc
+
+
+@triton.jit
 def _fwd_kernel(OC, OS, OW, GC, GS, GW, O, R, sgc, sgs, sgw,
                 DV: tl.constexpr, DVP: tl.constexpr, BLOCK_R: tl.constexpr, HAS_WIN: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    acc = _gate(GC, rows, rmask, sgc)[:, None] * _tile(OC, rows, rmask, DV, DVP)
-    acc += _gate(GS, rows, rmask, sgs)[:, None] * _tile(OS, rows, rmask, DV, DVP)
-    if HAS_WIN:
-        acc += _gate(GW, rows, rmask, sgw)[:, None] * _tile(OW, rows, rmask, DV, DVP)
+    acc = gated_rows(_tile(OS, rows, rmask, DV, DVP), OC, OW, GC, GS, GW, rows, rmask, sgc, sgs,
+                     sgw, DV, DVP, HAS_WIN)
     _store(O, rows, rmask, acc, DV, DVP)
 
 
@@ -104,6 +117,15 @@ def _pointers(branches: list, gates: list) -> tuple[list, list]:
     outs = [x.contiguous() for x in branches]
     rows = [_gate_rows(g) for g in gates]
     return outs + outs[:3 - len(outs)], rows + rows[:3 - len(rows)]
+
+
+def gated_rows_args(o_cmp: Tensor, o_win: Optional[Tensor], g_cmp: Tensor, g_slc: Tensor,
+                    g_win: Optional[Tensor]) -> tuple:
+    """`gated_rows`'s tensor and stride arguments (OC, OW, GC, GS, GW, sgc, sgs, sgw) for a
+    kernel that has the selection branch's output in hand."""
+    branches, gates = _present(o_cmp, o_cmp, o_win, g_cmp, g_slc, g_win)
+    outs, rows = _pointers(branches, gates)
+    return (outs[0], outs[2], *(g for g, _ in rows), *(s for _, s in rows))
 
 
 def gate_combine_fwd(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cmp: Tensor,

@@ -59,6 +59,7 @@ from torch import Tensor
 
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
+from nsa_ops.kernels.gate import gated_rows, gated_rows_args
 from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, pow2, tma_descriptors,
                                    tma_kv_reason, traced, unit_last_stride, use_tma)
 from nsa_ops.reference import query_keys
@@ -711,11 +712,15 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
 @triton.jit
 def _fwd_kernel(q, k, v, kd, vd, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
                 sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
-                T, N, qk_scale,
+                T, N, qk_scale, og, oc, ow, gc, gs, gw, sgc, sgs, sgw,
                 H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                 DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                 BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
-                PREC: tl.constexpr, TMA: tl.constexpr, TT: tl.constexpr):
+                PREC: tl.constexpr, TMA: tl.constexpr, TT: tl.constexpr,
+                GATED: tl.constexpr, HAS_WIN: tl.constexpr, KEEP_BRANCH: tl.constexpr):
+    """GATED: also writes the gated combine of the rows into og (contiguous, gate.gated_rows
+    over oc, ow, gc, gs, gw), and the branch's own output into o only if KEEP_BRANCH; og may be
+    o then (the merge reads o's rows before the program writes them)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # AOTInductor passes Python floats as fp64
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1)
@@ -726,8 +731,13 @@ def _fwd_kernel(q, k, v, kd, vd, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
         q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
         sv_b, sv_t, sv_h, T, N, qk_scale, o, so_b, so_t, so_h, lse, H, G, GP, DK, DV, DKP, DVP,
         SEL, BN, NP, IS_VARLEN, PREC, TMA, TT)
-    _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, out, DV, DVP)
-    tl.store(lse + (b * T + t) * (H * G) + heads, lse_row, mask=gmask)
+    rows = (b * T + t) * (H * G) + heads
+    if GATED:
+        gated = gated_rows(out, oc, ow, gc, gs, gw, rows, gmask, sgc, sgs, sgw, DV, DVP, HAS_WIN)
+        _store_tile(og, rows * DV, gmask, gated, DV, DVP)
+    if KEEP_BRANCH:
+        _store_tile(o, b * so_b + t * so_t + heads * so_h, gmask, out, DV, DVP)
+    tl.store(lse + rows, lse_row, mask=gmask)
 
 
 @triton.jit
@@ -1306,12 +1316,49 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
     buffers to write and return instead of new ones (Inductor's, when the compiled forward picks
     this kernel)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
+    B, T, HQ = q.shape[:3]
+    o, lse = _outputs(out, (B, T, HQ, v.shape[3]), q)
+    _forward(q, k, v, block_idx, sel_block, scale, cu_seqlens, cu_seqlens_k, tma, shared, o, lse)
+    return o, lse
+
+
+def selection_attention_gated_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor,
+                                  sel_block: int, scale: float,
+                                  cu_seqlens: Optional[Tensor] = None, *,
+                                  o_cmp: Tensor, o_win: Optional[Tensor], g_cmp: Tensor,
+                                  g_slc: Tensor, g_win: Optional[Tensor], keep_branch: bool,
+                                  cu_seqlens_k: Optional[Tensor] = None,
+                                  tma: Optional[bool] = None, shared: Optional[bool] = None
+                                  ) -> tuple[Tensor, Optional[Tensor], Tensor]:
+    """nsa_attention's last forward step: (o, o_slc, lse_slc), o the gated combine of the three
+    branches (`nsa_ops.kernels.gate`, in q's dtype: the other branches' outputs and the gates
+    must promote to it) written by the forward's epilogue, so that the branch's output need not
+    go through memory to a combine pass; o_slc the branch's own output where keep_branch (a
+    backward reads it), else None. H100, bf16, spec geometry, T = 64k: the combine pass took
+    1.39 ms of the 35.8 ms forward. Arguments otherwise as `selection_attention_fwd`'s."""
+    _check(q, k, v, block_idx, sel_block, cu_seqlens)
+    B, T, HQ = q.shape[:3]
+    o_slc, lse = _outputs(None, (B, T, HQ, v.shape[3]), q)
+    # without the branch's output the pass's partial output and the combine share one buffer
+    o = torch.empty_like(o_slc) if keep_branch else o_slc
+    _forward(q, k, v, block_idx, sel_block, scale, cu_seqlens, cu_seqlens_k, tma, shared,
+             o_slc, lse, (o, o_cmp, o_win, g_cmp, g_slc, g_win))
+    return o, o_slc if keep_branch else None, lse
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int, scale: float,
+             cu_seqlens: Optional[Tensor], cu_seqlens_k: Optional[Tensor], tma: Optional[bool],
+             shared: Optional[bool], o: Tensor, lse: Tensor,
+             gated: Optional[tuple] = None) -> None:
+    """The forward's launches, writing o and lse; gated: (og, o_cmp, o_win, g_cmp, g_slc,
+    g_win), the combine to write into og (`selection_attention_gated_fwd`), where og is o the
+    branch's own output is not kept."""
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
     n = block_idx.shape[3]
-    o, lse = _outputs(out, (B, T, HQ, Dv), q)
     if o.numel() == 0:
-        return o, lse.fill_(float("-inf"))
+        lse.fill_(float("-inf"))
+        return
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
@@ -1333,11 +1380,17 @@ def selection_attention_fwd(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, 
             **shared_constants, num_warps=num_warps, num_stages=num_stages)
     kv = tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
         else (k, v)
+    if gated is None:  # the combine's arguments go unread
+        combine = (o, o, o, lse, lse, lse, 0, 0, 0)
+    else:
+        og, o_cmp, o_win, g_cmp, g_slc, g_win = gated
+        combine = (og, *gated_rows_args(o_cmp, o_win, g_cmp, g_slc, g_win))
     launch(_fwd_kernel)[(T, B * H)](
         q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides,
-        T, n, qk_scale, IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
+        T, n, qk_scale, *combine, IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
+        GATED=gated is not None, HAS_WIN=gated is not None and gated[2] is not None,
+        KEEP_BRANCH=gated is None or gated[0] is not o,
         **_per_token_launch("fwd_tma" if tma else "fwd", q.dtype, _wide(dkp, dvp)))
-    return o, lse
 
 
 def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,

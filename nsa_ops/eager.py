@@ -10,20 +10,26 @@ itself: dq's three parts in the selection dq kernel's epilogue, which runs last
 (`ops.selection_backward_adding`; autograd's two adds took 2.09 ms at 64k, a one-pass sum 1.38),
 mean pooling's backward as `reference.compress_mean_backward` (autograd's unfold backward took
 0.76 ms at 64k), and the selection backward's inverse index started early on a side stream
-(`ops.selection_backward_index`), where the compressed backward hides it. H100, spec geometry,
-forward+backward from an idle GPU against NSA_OPS_EAGER_LAYER=0, two readings each in one run:
-8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k 23.20 / 23.26 -> 22.14 / 22.04, 64k 117.45 / 117.57
--> 115.71 / 116.72 (before the early index, `c6fc1e7`). The cost is memory: the
-node's saved branch outputs live until its backward is done, where the ops' nodes free theirs
-one by one, and the three dq parts meet in the selection backward: the step's peak 3.89 ->
-4.17 GB at 16k, 15.58 -> 16.70 at 64k.
+(`ops.selection_backward_index`), where the compressed backward hides it. Where the selection
+forward runs the Triton kernel, its epilogue writes the gated combine of the three branches
+(`ops.selection_gated`, `Route.gated`): the gate_combine op's pass would read the branch's
+output back from memory (H100, bf16, spec geometry, synced forward without grad, three
+interleaved rounds: 8k 2.70-2.71 -> 2.61-2.63 ms, 16k 6.22-6.23 -> 6.05-6.06, 64k 36.22-36.37 ->
+35.56-35.65; forward+backward within the spread, 64k 106.3-107.5 -> 106.1-106.3). The one node
+itself, H100, spec geometry, forward+backward from an idle GPU against NSA_OPS_EAGER_LAYER=0,
+two readings each in one run: 8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k 23.20 / 23.26 -> 22.14 /
+22.04, 64k 117.45 / 117.57 -> 115.71 / 116.72 (before the early index, `c6fc1e7`). The cost is
+memory: the node's saved branch outputs live until its backward is done, where the ops' nodes
+free theirs one by one, and the three dq parts meet in the selection backward: the step's peak
+3.89 -> 4.17 GB at 16k, 15.58 -> 16.70 at 64k.
 
 It serves only where nothing could tell it from the ops: eager calls on plain tensors, no
 torch.compile, export, FakeTensor, DTensor, dispatch or function modes or functorch transforms,
 and the built-in mean pooling as phi (a learnable phi keeps the ops, so its parameters get their
 gradients the usual way; packed sequences, or d not dividing l, take pooling's backward from
 autograd). The torch profiler still
-sees each op by its name (nsa::selection_attention, nsa::selection_attention_backward, ...).
+sees each op by its name (nsa::selection_attention, nsa::selection_attention_backward, ...;
+nsa::gate_combine where the selection forward does not run the combine).
 NSA_OPS_EAGER_LAYER=0 turns it off (nsa_ops.env).
 """
 from __future__ import annotations
@@ -106,11 +112,14 @@ class _Layer(torch.autograd.Function):
                 block_idx = ops.select_blocks._init_fn(
                     q, k_cmp, lse_cmp, plan.block_len, plan.block_stride,
                     plan.sel_block, plan.num_sel, plan.scale, **plan.cmp_keys)
+        # the combine from the selection kernel's epilogue where its route has one
         with _named("selection_attention"):
-            o_slc, lse_slc = ops.selection_attention._init_fn(
-                q, k, v, block_idx, plan.sel_block, plan.scale, **plan.seqs)
-        with _named("gate_combine"):
-            o = ops.gate_combine._init_fn(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
+            o, o_slc, lse_slc = ops.selection_gated(
+                q, k, v, block_idx, plan.sel_block, plan.scale, **plan.seqs, o_cmp=o_cmp,
+                o_win=o_win, g_cmp=g_cmp, g_slc=g_slc, g_win=g_win, keep_branch=grad)
+        if o is None:
+            with _named("gate_combine"):
+                o = ops.gate_combine._init_fn(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
         ctx.mark_non_differentiable(block_idx)
         if grad:
             ctx.plan = plan

@@ -101,6 +101,11 @@ def parity(fraction: float = 1.0) -> Iterator[None]:
         _calls.update(saved[1])
 
 
+def parity_on() -> bool:
+    """Whether parity mode samples forward calls (`parity`, NSA_OPS_PARITY)."""
+    return _every > 0
+
+
 def choose(op: str, x: routing.Inputs) -> routing.Route:
     """routing.choose, for a call that runs: the first time an (op, direction, impl, dtype,
     device type) runs, its INFO line."""
@@ -132,8 +137,8 @@ def ran(route: routing.Route, target: str, args: tuple, keys: dict, out) -> None
         _check_parity(route, args, keys, out)
     if not torch.compiler.is_compiling() and logger.isEnabledFor(logging.DEBUG):
         first = args[0]
-        logger.debug("nsa.%s%s: %s on %s %s %s", route.op,
-                     "" if target == route.forward else "_backward", route.impl,
+        suffix = {route.forward: "", route.backward: "_backward", route.gated: " (gated)"}
+        logger.debug("nsa.%s%s: %s on %s %s %s", route.op, suffix[target], route.impl,
                      _name(first.dtype), first.device.type, list(first.shape))
 
 

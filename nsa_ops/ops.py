@@ -67,7 +67,7 @@ def _call(target: str, route: routing.Route, *args, **keys):
         observe.ran(route, target, args, keys, out)
     if isinstance(out, Tensor):
         return out.contiguous()
-    return tuple(t.contiguous() for t in out)
+    return tuple(t if t is None else t.contiguous() for t in out)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -214,6 +214,31 @@ def selection_attention(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_
     kw, offset = _keys(q, k.shape[1], cu_k)
     route = _route("selection_attention", q, v, cu_q, offset)
     return _call(route.forward, route, q, k, v, block_idx, sel_block, scale, cu_q, **kw)
+
+
+def selection_gated(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
+                    scale: float, cu_seqlens: Optional[Tensor] = None,
+                    cu_seqlens_q: Optional[Tensor] = None,
+                    cu_seqlens_k: Optional[Tensor] = None, *, o_cmp: Tensor,
+                    o_win: Optional[Tensor], g_cmp: Tensor, g_slc: Tensor,
+                    g_win: Optional[Tensor], keep_branch: bool
+                    ) -> tuple[Optional[Tensor], Optional[Tensor], Tensor]:
+    """nsa_attention's selection forward with the gated combine of the branches in the kernel's
+    epilogue, where the route has that form (`Route.gated`) and the combine keeps q's dtype (not
+    in parity mode, which checks each op's forward against its reference): (o, o_slc, lse_slc),
+    o_slc None unless keep_branch. Elsewhere the selection op's body alone: (None, o_slc,
+    lse_slc), and the caller runs gate_combine."""
+    cu_q, cu_k = check.seqlens_pair(cu_seqlens, cu_seqlens_q, cu_seqlens_k)
+    check.selection_attention_args(q, k, v, block_idx, sel_block, scale, cu_q, cu_k)
+    kw, offset = _keys(q, k.shape[1], cu_k)
+    route = _route("selection_attention", q, v, cu_q, offset)
+    if route.gated is not None and not observe.parity_on() and \
+            _gate_dtype(o_cmp, q, o_win, g_cmp, g_slc, g_win) == q.dtype:
+        check.gate_combine_args(o_cmp, o_cmp, o_win, g_cmp, g_slc, g_win)  # o_slc: o_cmp's shape
+        return _call(route.gated, route, q, k, v, block_idx, sel_block, scale, cu_q, o_cmp=o_cmp,
+                     o_win=o_win, g_cmp=g_cmp, g_slc=g_slc, g_win=g_win,
+                     keep_branch=keep_branch, **kw)
+    return None, *_call(route.forward, route, q, k, v, block_idx, sel_block, scale, cu_q, **kw)
 
 
 @selection_attention.register_fake

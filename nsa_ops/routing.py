@@ -534,6 +534,9 @@ class Route:
     # "module:function" that starts what the backward will read, which it then takes as index=
     # (nsa_ops.eager's layer starts it before the other branches' backward, which hide it)
     index: Optional[str] = None
+    # "module:function": the forward with the gated combine of the branches in its epilogue
+    # (nsa_ops.eager's layer runs it instead of the forward and the gate_combine op)
+    gated: Optional[str] = None
 
 
 _REF = "nsa_ops.reference"
@@ -556,7 +559,8 @@ TABLE: tuple[Route, ...] = (
     Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
           "nsa_ops.kernels.selection:selection_attention_bwd", _triton,
           defer=_selection_kernel_preferred, interpreted=True, adds_dq=True,
-          index=_SELECTION_INDEX),
+          index=_SELECTION_INDEX,
+          gated="nsa_ops.kernels.selection:selection_attention_gated_fwd"),
     # the backward reuses the Triton kernels, which serve every input this row serves
     Route("selection_attention", "packed_sdpa", "nsa_ops.packed:selection_attention_packed",
           "nsa_ops.kernels.selection:selection_attention_bwd", _first(_triton, _no_offset),

@@ -96,6 +96,33 @@ def test_eager_dq_sum_on_either_route(monkeypatch, impl):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_eager_gate_in_selection_epilogue(monkeypatch):
+    """Where the selection route has a gated form (`Route.gated`: the Triton kernel's), the layer
+    writes the combine from the selection forward's epilogue, not through the gate_combine op:
+    the same output and gradients as the ops within rounding; in parity mode, which checks each
+    op's forward, and on the reference route the op runs."""
+    pytest.importorskip("triton")
+    from nsa_ops import observe, ops
+    combines = []
+    body = ops.gate_combine._init_fn
+    monkeypatch.setattr(ops.gate_combine, "_init_fn",
+                        lambda *a: combines.append(1) or body(*a))
+    with routing.force(selection_attention="triton"):
+        o, grads, _ = _layer(monkeypatch, True, *CASES[0])
+        assert combines == []
+        o_ops, grads_ops, _ = _layer(monkeypatch, False, *CASES[0])
+        torch.testing.assert_close(o, o_ops, atol=1e-6, rtol=1e-5)
+        for name, got, want in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_win"), grads,
+                                   grads_ops):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
+        with observe.parity(1.0):
+            _layer(monkeypatch, True, *CASES[1])
+        assert len(combines) == 1
+    with routing.force(selection_attention="reference"):
+        _layer(monkeypatch, True, *CASES[0])
+    assert len(combines) == 2
+
+
 def test_pool_backward_matches_autograd():
     """reference.compress_mean_backward, which the eager backward uses for fixed-length mean
     pooling with d | l, against autograd through compress_mean (T short of a block, ragged

@@ -436,6 +436,58 @@ def test_selection_fwd_writes_given_buffers(tma, shared):
         selection_attention_fwd(q, k, v, block_idx, 16, 0.25, out=(o, lse.mT.contiguous().mT))
 
 
+@pytest.mark.parametrize("tma,shared,window,keep,dtype,strided,lengths", [
+    (False, False, True, True, torch.float32, True, None),
+    (False, False, False, False, torch.float16, False, None),
+    (True, False, True, False, torch.float32, False, None),
+    (True, True, True, True, torch.float16, True, None),
+    (True, True, True, False, torch.float32, False, None),
+    (True, True, False, True, torch.float32, True, None),
+    (None, None, True, False, torch.float32, True, (21, 39, 37)),
+])
+def test_selection_gated_forward(tma, shared, window, keep, dtype, strided, lengths,
+                                 poisoned_empty):
+    """The forward with the gated combine in its epilogue (nsa_attention's last step): o against
+    the float64 combine of the reference's branch output with the other two given, the branch's
+    own output (where kept) and lse bitwise those of the forward alone; with and without a
+    window branch, the pass's buffer shared with the combine (not kept), gates sliced from one
+    [B, T, HQ, 3] tensor (strided), packed sequences."""
+    from nsa_ops.kernels.selection import selection_attention_gated_fwd
+    B, T, H, G, D, sel_block, n = 2, 97, 1, 4, 16, 16, 4
+    cu = None
+    if lengths is not None:
+        B, T = 1, sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = make_qkv(B, T, H, G, D, D, dtype, seed=11)
+    if lengths is None:
+        block_idx = shared_case_block_idx(q, k, T, sel_block, n, 6, 0.1)
+    else:
+        block_idx = random_block_idx(B, T, H, n, sel_block, cu)
+    gen = torch.Generator().manual_seed(12)
+    o_cmp, o_win = (torch.randn(B, T, H * G, D, generator=gen).to(dtype) for _ in range(2))
+    if strided:
+        g_cmp, g_slc, g_win = torch.rand(B, T, H * G, 3, generator=gen).to(dtype).unbind(-1)
+    else:
+        g_cmp, g_slc, g_win = (torch.rand(B, T, H * G, generator=gen).to(dtype) for _ in range(3))
+    if not window:
+        o_win = g_win = None
+    scale = D ** -0.5
+    o, o_slc, lse = selection_attention_gated_fwd(
+        q, k, v, block_idx, sel_block, scale, cu, o_cmp=o_cmp, o_win=o_win, g_cmp=g_cmp,
+        g_slc=g_slc, g_win=g_win, keep_branch=keep, tma=tma, shared=shared)
+    alone, lse_alone = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, cu, tma=tma,
+                                               shared=shared)
+    assert torch.equal(lse, lse_alone)
+    assert torch.equal(o_slc, alone) if keep else o_slc is None
+    o_ref, _ = ref.selection_attention(q.double(), k.double(), v.double(), block_idx, sel_block,
+                                       scale, cu)
+    want = ref.gate_combine(o_cmp.double(), o_ref, None if o_win is None else o_win.double(),
+                            g_cmp.double(), g_slc.double(),
+                            None if g_win is None else g_win.double())
+    assert o.dtype == dtype
+    assert_close("o", o, want, dtype)
+
+
 @pytest.mark.parametrize("tma,shared", [(False, False), (True, False), (True, True)])
 def test_selection_future_keys_unread(tma, shared, poisoned_empty):
     """Keys a query may not see never reach its sums, even non-finite ones: NaN keys and values
@@ -573,6 +625,34 @@ def test_selection_kernels_gpu_varlen(dtype, T, stored_ds):
     lens = torch.tensor([T // 8, T // 2 - 77, T - T // 8 - (T // 2 - 77)])
     cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32).cuda()
     run_gpu_case(1, T, 4, 16, 128, 128, dtype, cu_seqlens, stored_ds=stored_ds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window,keep", [(True, False), (True, True), (False, False)])
+def test_selection_gated_forward_gpu(dtype, window, keep):
+    """The forward with the combine in its epilogue on the GPU's own path (TMA loads and the
+    shared pass on sm90+) at 4k, spec geometry: o within a rounding of the forward then the gate
+    kernel (which rounds the branch's output once more), the branch's output and lse bitwise."""
+    from nsa_ops.kernels.gate import gate_combine_fwd
+    from nsa_ops.kernels.selection import selection_attention_gated_fwd
+    q, k, v = make_qkv(1, 4096, 4, 16, 128, 128, dtype, device="cuda")
+    block_idx = spec_block_idx(q, k, 64, 16, 128 ** -0.5)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    o_cmp, o_win = (torch.randn(q.shape, generator=gen, device="cuda").to(dtype)
+                    for _ in range(2))
+    g_cmp, g_slc, g_win = torch.rand(1, 4096, 64, 3, generator=gen, device="cuda").to(
+        dtype).unbind(-1)
+    if not window:
+        o_win = g_win = None
+    o, o_slc, lse = selection_attention_gated_fwd(
+        q, k, v, block_idx, 64, 128 ** -0.5, o_cmp=o_cmp, o_win=o_win, g_cmp=g_cmp, g_slc=g_slc,
+        g_win=g_win, keep_branch=keep)
+    alone, lse_alone = selection_attention_fwd(q, k, v, block_idx, 64, 128 ** -0.5)
+    assert torch.equal(lse, lse_alone)
+    assert torch.equal(o_slc, alone) if keep else o_slc is None
+    want = gate_combine_fwd(o_cmp, alone, o_win, g_cmp, g_slc, g_win)
+    assert o.dtype == dtype and rel_err(o, want) < GPU_TOL[dtype] / 4
 
 
 @pytest.mark.gpu
