@@ -554,6 +554,14 @@ _SHARED_DQ_PROGRAMS = 2
 # dS saves where neighbouring queries select alike (H100, spec geometry, whole selection
 # backward, recomputed -> stored: runs of 64 alike 8k 2.84 -> 3.20 ms, 16k 5.84-6.00 ->
 # 6.22-6.35; random 8k 3.74 -> 3.64, 16k 7.74-8.06 -> 7.10-7.13), so there it works dq out again.
+# The buffer is laid out [B, T, H, N, G, SEL]: a (query, block)'s dS for the G heads of its
+# group is one contiguous piece (2 KB at the spec's geometry) for the dK dV pass to write and dq
+# to read, where [B, T, HQ, N, SEL] cut it into G rows 2 KB apart. H100, whole stored backward,
+# four interleaved rounds, [B, T, HQ, N, SEL] -> [B, T, H, N, G, SEL]: 16k random 7.11-7.12 ->
+# 6.96 ms, alike 6.18-6.19 -> 6.14; 64k random 29.70-29.75 -> 29.47-29.56, alike 25.36-25.71 ->
+# 25.00-25.25; dq bitwise the same. Not kept (three rounds, within the spread): the stores with
+# an evict-first or streaming (.cs) hint, dq's dS loads evict-first. With dS stored the dK dV
+# kernel takes 17.35 ms at 64k against 13.67 without (8.6 GB written at 2.3 TB/s).
 STORED_DS_SHARE = 16
 STORED_DS_MIN_TOKENS = 16384
 
@@ -957,7 +965,7 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
                   IS_VARLEN: tl.constexpr, ADDS: tl.constexpr, TT: tl.constexpr,
                   PREC: tl.constexpr):
     """dq of one (token, group) as the sum over its selected keys of dS K, with dS as the dK dV
-    pass stored it (`_dkdv_kernel`, STORE_DS; ds [B, T, H * G, N, SEL] by the slot of the block
+    pass stored it (`_dkdv_kernel`, STORE_DS; ds [B, T, H, N, G, SEL] by the slot of the block
     in block_idx): only K is read, one dot per tile, where `_dq_kernel` reads K and V and works
     P and dS out again. Adds dq_add0 / dq_add1 as `_dq_kernel` does. TT > 0: the shared pass ran,
     bidx holds its `_rest_rows` and orig the block_idx rows, where a block's slot is found."""
@@ -969,7 +977,8 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
     slots = tl.arange(0, NP)
     if TT > 0:
         named = tl.load(orig + ((b * T + t) * H + h) * N + slots, mask=slots < N, other=-1)
-    ds_rows = ((b * T + t) * (H * G) + heads) * N
+    g = heads - h * G
+    ds_rows = ((b * T + t) * H + h) * N
 
     acc = tl.zeros([GP, DKP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
@@ -982,7 +991,7 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
             slot = it // NSUB
         sub = (it % NSUB) * BN + tl.arange(0, BN)
         kt = _load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
-        dst = tl.load(ds + (ds_rows + slot)[:, None] * SEL + sub[None, :],
+        dst = tl.load(ds + (((ds_rows + slot) * G + g) * SEL)[:, None] + sub[None, :],
                       mask=gmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.dot(dst, kt, input_precision=PREC)
     _store_dq(acc * scale, dq, dq_add0, dq_add1, b * sdq_b + t * sdq_t + heads * sdq_h, gmask,
@@ -1006,7 +1015,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos, 
     pairs. ORDERED (the deterministic mode, kernels/ordered.py): a 1-D grid of tickets,
     chunk-major, and the chunks of one block add into dk/dv in chunk order instead of
     atomically. STORE_DS: also writes each row's dS (unscaled, in q's dtype, as the dK dot takes
-    it) into ds [B, T, H * G, N, SEL] at the slot ent_slot names, for `_dq_ds_kernel`;
+    it) into ds [B, T, H, N, G, SEL] at the slot ent_slot names, for `_dq_ds_kernel`;
     SKIP_PASSED: not for the slots `_dq_plan_kernel` marked in passed_slots (dq's shared pass
     took their blocks).
     """
@@ -1071,7 +1080,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos, 
                 if SKIP_PASSED:
                     passed = tl.load(passed_slots + (b * T + tq) * H + h, mask=rmask, other=0)
                     store = store & (((passed >> slot) & 1) == 0)
-                at = (((b * T + tq) * (H * G) + heads) * N + slot) * SEL
+                at = ((((b * T + tq) * H + h) * N + slot) * G + g) * SEL
                 tl.store(ds + at[None, :] + offs[:, None], dsT,
                          mask=store[None, :] & (offs[:, None] < SEL))
 
