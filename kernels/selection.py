@@ -528,7 +528,10 @@ def _shared_pass(shared: Optional[bool], reason: Optional[str], G: int, bn: int,
 # alike 24.85 / 24.82 / 25.42 / 32.49 ms, with 5% of their blocks replaced 26.70 / 28.06 /
 # 27.02 / 34.06, 20% 31.14 / 30.76 / 32.22 / 33.98, random 33.02 / 33.02 / 33.06 / 33.07;
 # (num_warps, num_stages) (4, 1) / (4, 3) 26.23 / 26.01 against 24.56-26.74 at (4, 2), (8, 2)
-# 36.3; programs per SM 1 / 3 / 4: 27.89 / 26.92 / 24.84.
+# 36.3; programs per SM 1 / 3 / 4: 27.89 / 26.92 / 24.84. With dS stored (the dK dV pass then
+# skips the blocks the pass takes), three interleaved rounds at `bf10887`, SHARED_DQ_MIN 4 / 3 /
+# 2: 64k random 29.12-29.16 / 29.97-30.47 / 29.56-29.62, alike 25.01-25.27 / 25.87-26.34 /
+# 25.22-25.43; 16k random 6.98-7.00 / 6.98-7.01 / 7.08-7.11.
 SHARED_DQ_MIN = 4
 _SHARED_DQ_PICK = (4, 2)
 _SHARED_DQ_PROGRAMS = 2
@@ -1149,6 +1152,10 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     ptxas reports) and 17.10-35.89 for ten others ((64, 128, 8, 2) asks too much shared
     memory); D=256 (64, 32, 8, 2) 10.51, (64, 64, 8, 2) 11.21, (32, 32, 4, 2) 11.75, against
     12.00 and 13.0-15.8 for six others. Heads wider still keep (32, 64, 8, 2), unmeasured.
+    Storing dS (whole stored backward, three interleaved rounds at `bf10887`, 64k random /
+    runs of 64 alike): (64, 32, 4, 2) 29.12-29.16 / 25.01-25.27 ms, (64, 32, 4, 3) 30.35-30.87 /
+    26.12-26.33, (64, 16, 4, 2) 33.82-33.83 / 29.80-30.04, (64, 32, 8, 2) 47.58-47.59 /
+    42.93-43.15: the pick stays.
     """
     wide, width = _wide(dkp, dvp), dkp + dvp
     if cuda_core_dots(dtype):
