@@ -72,13 +72,15 @@ def _fwd_kernel(OC, OS, OW, GC, GS, GW, O, R, sgc, sgs, sgw,
 @triton.jit
 def _bwd_kernel(DO, OC, OS, OW, GC, GS, GW, DOC, DOS, DOW, DGC, DGS, DGW, R, sgc, sgs, sgw,
                 DV: tl.constexpr, DVP: tl.constexpr, BLOCK_R: tl.constexpr,
-                GATE_GRADS: tl.constexpr, HAS_WIN: tl.constexpr):
+                GATE_GRADS: tl.constexpr, HAS_WIN: tl.constexpr, SLC_GRAD: tl.constexpr,
+                WIN_GRAD: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     do = _tile(DO, rows, rmask, DV, DVP)
     _store(DOC, rows, rmask, _gate(GC, rows, rmask, sgc)[:, None] * do, DV, DVP)
-    _store(DOS, rows, rmask, _gate(GS, rows, rmask, sgs)[:, None] * do, DV, DVP)
-    if HAS_WIN:
+    if SLC_GRAD:
+        _store(DOS, rows, rmask, _gate(GS, rows, rmask, sgs)[:, None] * do, DV, DVP)
+    if HAS_WIN and WIN_GRAD:
         _store(DOW, rows, rmask, _gate(GW, rows, rmask, sgw)[:, None] * do, DV, DVP)
     if GATE_GRADS:
         tl.store(DGC + rows, tl.sum(do * _tile(OC, rows, rmask, DV, DVP), axis=1), mask=rmask)
@@ -147,12 +149,17 @@ def gate_combine_fwd(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cm
 
 
 def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
-                     g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool
+                     g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool,
+                     branch_grads: tuple[bool, bool] = (True, True)
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads
-    and, unless gate_grads, the gate grads are empty [0] tensors."""
+    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads,
+    unless gate_grads the gate grads, and d_o_slc / d_o_win where branch_grads says False are
+    empty [0] tensors (nsa_attention's eager backward hands the selection and window kernels dO
+    and the gate instead, `Route.scales_do`)."""
     branches, gates = _present(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
-    d_o = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in branches]
+    wanted = (True, *branch_grads)
+    d_o = [torch.empty(x.shape if want else (0,), dtype=x.dtype, device=x.device)
+           for x, want in zip(branches, wanted)]
     d_g = [torch.empty(g.shape if gate_grads else (0,), dtype=torch.float32, device=g.device)
            for g in gates]
     if do.numel() > 0:
@@ -161,7 +168,8 @@ def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[T
         launch(_bwd_kernel)[(programs,)](
             do.contiguous(), *outs, *(g for g, _ in rows), *(d_o + d_o[:3 - len(d_o)]),
             *(d_g + d_g[:3 - len(d_g)]), do.numel() // do.shape[-1], *(s for _, s in rows),
-            GATE_GRADS=gate_grads, HAS_WIN=o_win is not None, **meta)
+            GATE_GRADS=gate_grads, HAS_WIN=o_win is not None, SLC_GRAD=branch_grads[0],
+            WIN_GRAD=branch_grads[1], **meta)
     d_g = [x.to(g.dtype) for x, g in zip(d_g, gates)]
     if o_win is None:
         d_o.append(do.new_empty(0))

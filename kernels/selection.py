@@ -61,7 +61,8 @@ from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
 from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, pow2, tma_descriptors,
-                                   tma_kv_reason, traced, unit_last_stride, use_tma)
+                                   tma_kv_reason, traced, unit_last_stride, unscaled_do_gate,
+                                   use_tma)
 from nsa_ops.reference import query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -833,20 +834,22 @@ def _dq_plan_kernel(bidx, rest, plan, plan_blocks, plan_len, passed_slots, OFF, 
 
 
 @triton.jit
-def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, plan, plan_blocks, plan_len, OFF,
-                      NBH,
+def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, gate, dq, plan, plan_blocks, plan_len,
+                      OFF, NBH,
                       sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                       sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h, T, scale, qk_scale,
                       H: tl.constexpr, G: tl.constexpr, GPD: tl.constexpr, DK: tl.constexpr,
                       DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                       SEL: tl.constexpr, BN: tl.constexpr, TT: tl.constexpr, NP: tl.constexpr,
-                      HAS_DLSE: tl.constexpr, PREC: tl.constexpr, DELTA_DONE: tl.constexpr):
+                      HAS_DLSE: tl.constexpr, PREC: tl.constexpr, DELTA_DONE: tl.constexpr,
+                      HAS_GATE: tl.constexpr):
     """The forward's shared pass (`_shared_fwd_kernel`) for dq: for each group of TT queries
     `_dq_plan_kernel` planned, the dq of its TT x G rows as one tile over the blocks before
     their own that all of them selected, scaled, in dq's dtype, into dq, for the walk
     (`_dq_kernel` or `_dq_ds_kernel`, TT > 0) to add to, and their delta = rowsum(dO * O) -
     dlse, which the walk then need not work out again (DELTA_DONE: read from delta, where a
-    pass of its own wrote every row's).
+    pass of its own wrote every row's). HAS_GATE: dO is scaled by the rows' gates
+    (`utils.unscaled_do_gate`).
     Persistent: the programs stride over the plan, whose length only the GPU knows, so that a
     plan with few groups (random selections) costs no launch of one program per group."""
     scale = tl.cast(scale, tl.float32)
@@ -877,7 +880,17 @@ def _shared_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, plan, plan_blocks, p
             kt, vt = _kv_tiles(k, v, b, keys, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                                DK, DV, DKP, DVP)
             acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)
-        _store_tile(dq, b * sdq_b + toks * sdq_t + heads * sdq_h, rmask, acc * scale, DK, DKP)
+        acc *= _row_gates(gate, stat, rmask, scale, HAS_GATE)[:, None]
+        _store_tile(dq, b * sdq_b + toks * sdq_t + heads * sdq_h, rmask, acc, DK, DKP)
+
+
+@triton.jit
+def _row_gates(gate, stat, mask, scale, HAS_GATE: tl.constexpr):
+    """The factor a dq row takes last: scale, times the row's gate where dO comes unscaled
+    (HAS_GATE, `utils.unscaled_do_gate`)."""
+    if HAS_GATE:
+        return tl.load(gate + stat, mask=mask, other=0.0) * scale
+    return tl.full(stat.shape, 1.0, tl.float32) * scale
 
 
 @triton.jit
@@ -919,19 +932,20 @@ def _store_dq(acc, dq, dq_add0, dq_add1, rows, gmask, passed, DK: tl.constexpr,
 
 
 @triton.jit
-def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_q, cu_k, OFF,
-               NSEQ, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
+def _dq_kernel(q, k, v, o, do, lse, dlse, delta, gate, dq, dq_add0, dq_add1, bidx, cu_q, cu_k,
+               OFF, NSEQ, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h,
                sdo_b, sdo_t, sdo_h, sdq_b, sdq_t, sdq_h,
                T, N, scale, qk_scale,
                H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr,
                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
                HAS_DLSE: tl.constexpr, ADDS: tl.constexpr, TT: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, HAS_GATE: tl.constexpr):
     """dq of one (token, group), plus the first ADDS of dq_add0, dq_add1 (gradients laid out
-    like dq); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass. TT > 0 (fixed
-    length): the dq pass over groups of TT queries (`_shared_dq_kernel`) ran, bidx holds its
-    `_rest_rows`, and dq its share where it took any blocks (marked -3 in the row)."""
+    like dq); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass. HAS_GATE: dO is
+    scaled by the rows' gates (`utils.unscaled_do_gate`). TT > 0 (fixed length): the dq pass
+    over groups of TT queries (`_shared_dq_kernel`) ran, bidx holds its `_rest_rows`, and dq
+    its share where it took any blocks (marked -3 in the row)."""
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -956,7 +970,8 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dq_add0, dq_add1, bidx, cu_
         kt, vt = _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
         acc = _dq_step(qt, dot_, kt, vt, kmask, lse2, dlt, acc, qk_scale, PREC)
-    _store_dq(acc * scale, dq, dq_add0, dq_add1, b * sdq_b + t * sdq_t + heads * sdq_h, gmask,
+    acc *= _row_gates(gate, stat, gmask, scale, HAS_GATE)[:, None]
+    _store_dq(acc, dq, dq_add0, dq_add1, b * sdq_b + t * sdq_t + heads * sdq_h, gmask,
               passed, DK, DKP, ADDS, TT)
 
 
@@ -1002,14 +1017,15 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
 
 
 @triton.jit
-def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos, ent_slot,
+def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent_pos, ent_slot,
                  passed_slots, sync,
                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
                  T, TK, N, scale, qk_scale,
                  H: tl.constexpr, G: tl.constexpr, GP2: tl.constexpr, DK: tl.constexpr,
                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                  BN: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
-                 ORDERED: tl.constexpr, STORE_DS: tl.constexpr, SKIP_PASSED: tl.constexpr):
+                 ORDERED: tl.constexpr, STORE_DS: tl.constexpr, SKIP_PASSED: tl.constexpr,
+                 HAS_GATE: tl.constexpr):
     """Partial dk/dv of one key tile from one chunk of the queries that selected its block.
 
     chunks[pid] = (first entry, end entry, b * H + h, first token of the block), int64; entries
@@ -1020,7 +1036,8 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos, 
     atomically. STORE_DS: also writes each row's dS (unscaled, in q's dtype, as the dK dot takes
     it) into ds [B, T, H, N, G, SEL] at the slot ent_slot names, for `_dq_ds_kernel`;
     SKIP_PASSED: not for the slots `_dq_plan_kernel` marked in passed_slots (dq's shared pass
-    took their blocks).
+    took their blocks). HAS_GATE: dO is scaled by the rows' gates (`utils.unscaled_do_gate`): P
+    takes them (and so the dS stored).
     """
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
@@ -1073,6 +1090,8 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, ds, chunks, ent_tok, ent_pos, 
 
             pT = tl.exp2(tl.dot(kt, qT, input_precision=PREC) * qk_scale - lse2[None, :])
             pT = tl.where(rmask[None, :] & (toks[:, None] <= tpos[None, :]), pT, 0.0)
+            if HAS_GATE:
+                pT = pT * tl.load(gate + stat, mask=rmask, other=0.0)[None, :]
             dv_acc += tl.dot(pT.to(dot_.dtype), dot_, input_precision=PREC)
             dpT = tl.dot(vt, tl.trans(dot_), input_precision=PREC)
             dsT = (pT * (dpT - dlt[None, :])).to(qT.dtype)
@@ -1521,7 +1540,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                             dq_add: Sequence[Tensor] = (),
                             shared: Optional[bool] = None,
                             stored_ds: Optional[bool] = None,
-                            index: Optional[BackwardIndex] = None
+                            index: Optional[BackwardIndex] = None,
+                            do_gate: Optional[Tensor] = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None. dq_add: up
     to two gradients shaped like q that dq comes back summed with (the layer's other branches'
@@ -1533,7 +1553,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     works dq out from K and V again); the passes run over windows of `_ds_window` query tokens,
     so that the dS buffer fits its budget. index: the dK dV pass's inverse index as
     `backward_index` started it on the same inputs (None: built here, on a GPU on the side
-    stream while the passes before dK dV run)."""
+    stream while the passes before dK dV run). do_gate ([B, T, HQ]): the gradients of do_gate *
+    do, from do (`utils.unscaled_do_gate`)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1554,6 +1575,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o.to(q.dtype), do.to(q.dtype)))
     lse = lse.to(torch.float32)
     dlse = dlse.to(torch.float32) if dlse is not None else None
+    gate = unscaled_do_gate(do_gate, dlse)
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     stored, window = _ds_choice(q, n, sel_block, queries, stored_ds, index is not None)
@@ -1570,7 +1592,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
         _bwd_window(q[:, rows], k, v, o[:, rows], lse[:, rows].contiguous(), do[:, rows],
                     None if dlse is None else dlse[:, rows].contiguous(),
                     bidx[:, rows].contiguous(), sel_block, scale, queries.span(rows),
-                    dq[:, rows], [x[:, rows] for x in adds], dk, dv, ds, shared, recipe, part)
+                    dq[:, rows], [x[:, rows] for x in adds], dk, dv, ds, shared, recipe, part,
+                    None if gate is None else gate[:, rows].contiguous())
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -1578,11 +1601,12 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
                 dlse: Optional[Tensor], bidx: Tensor, sel_block: int, scale: float,
                 queries: _Queries, dq: Tensor, adds: list[Tensor], dk: Tensor, dv: Tensor,
                 ds: Optional[Tensor], shared: Optional[bool], recipe: _IndexRecipe,
-                index: Optional[BackwardIndex]) -> None:
+                index: Optional[BackwardIndex], gate: Optional[Tensor]) -> None:
     """`selection_attention_bwd`'s passes for the queries of one window (q, o, lse, do, dlse,
     bidx, dq and adds cut to them; queries: their place among the keys): writes their dq and adds
     their share of dk / dv (fp32, every key of k) in place; ds: the dS buffer (None: dq is worked
-    out from K and V again); index: this window's (None: built here)."""
+    out from K and V again); index: this window's (None: built here); gate: the rows' gates of
+    an unscaled dO (`utils.unscaled_do_gate`, cut to the window)."""
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = dk.shape[1], k.shape[2], v.shape[3]
     G, n = HQ // H, bidx.shape[3]
@@ -1600,7 +1624,8 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
                *_strides(dq))
     constants = dict(H=H, G=G, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, NP=pow2(n),
-                     HAS_DLSE=dlse is not None, PREC=prec)
+                     HAS_DLSE=dlse is not None, PREC=prec, HAS_GATE=gate is not None)
+    gate_arg = delta if gate is None else gate  # unread without a gate
     qk_scale = scale * math.log2(math.e)
     rows = bidx
     skip_passed = bool(group) and stored  # the plan marks the slots dq's shared pass takes
@@ -1619,13 +1644,15 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
             TT=group, NP=pow2(n), MIN_SHARED=SHARED_DQ_MIN, STORED_DS=stored, num_warps=1)
         num_warps, num_stages = _SHARED_DQ_PICK
         launch(_shared_dq_kernel)[(min(plan.numel(), _persistent_programs(q.device)),)](
-            q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, plan, plan_blocks,
-            plan_len, off, B * H, *strides, T, scale, qk_scale, GPD=pow2(G), TT=group,
-            DELTA_DONE=stored, **constants, num_warps=num_warps, num_stages=num_stages)
+            q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, gate_arg, dq, plan,
+            plan_blocks, plan_len, off, B * H, *strides, T, scale, qk_scale, GPD=pow2(G),
+            TT=group, DELTA_DONE=stored, **constants, num_warps=num_warps,
+            num_stages=num_stages)
     dq_adds = adds + [dq] * (2 - len(adds))
     if not stored:
         launch(_dq_kernel)[(T, B * H)](
-            q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, dq, *dq_adds, rows,
+            q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, gate_arg, dq, *dq_adds,
+            rows,
             *queries.kernel_args(bidx), *strides, T, n, scale, qk_scale, GP=pow2(G, 16),
             IS_VARLEN=queries.varlen, ADDS=len(adds), TT=group, **constants,
             **_per_token_launch("dq", q.dtype))
@@ -1645,13 +1672,13 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
     grid = (chunks.shape[0], triton.cdiv(sel_block, bn))
     sync = ordered.sync_buffer(grid[0] * grid[1], q.device) if ordered_adds else bidx
     launch(_dkdv_kernel)[(grid[0] * grid[1],) if ordered_adds else grid](
-        q, k, v, do, lse, delta, dk, dv, ds if stored else dq, chunks, ent_tok, ent_pos,
+        q, k, v, do, lse, delta, gate_arg, dk, dv, ds if stored else dq, chunks, ent_tok, ent_pos,
         ent_slot if stored else ent_tok, passed_slots if skip_passed else ent_tok, sync,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, Tk, n, scale, qk_scale,
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
         PREC=prec, ORDERED=ordered_adds, STORE_DS=stored, SKIP_PASSED=skip_passed,
-        num_warps=warps, num_stages=stages)
+        HAS_GATE=gate is not None, num_warps=warps, num_stages=stages)
     if stored:
         launch(_dq_ds_kernel)[(T, B * H)](
             k, ds, dq, *dq_adds, rows, bidx, *queries.kernel_args(bidx), *_strides(k),

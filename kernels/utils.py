@@ -121,3 +121,17 @@ def launch_options(num_warps: int, num_stages: int, maxnreg: int | None = None) 
     if maxnreg is not None and not traced():
         options["maxnreg"] = maxnreg
     return options
+
+
+def unscaled_do_gate(do_gate: Optional[Tensor], dlse: Optional[Tensor]) -> Optional[Tensor]:
+    """The rows' gates (fp32, contiguous [B, T, HQ]) of an attention backward given dO unscaled
+    and the gate g of its branch (do_gate: nsa_attention's eager backward, so that the gate's
+    backward need not write g * dO): its gradients are those of g * dO, with P taking g (dS =
+    g P (dP - rowsum(dO * O)), dV = (g P)^T dO, dq scaled last). With an lse gradient delta
+    would mix scaled and unscaled terms: refused."""
+    if do_gate is None:
+        return None
+    if dlse is not None:
+        raise ValueError("do_gate: a backward takes a gate for dO only without an lse gradient "
+                         "(dlse must be None)")
+    return do_gate.to(torch.float32).contiguous()

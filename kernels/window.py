@@ -34,7 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, pow2, row_bytes,
                                    tma_descriptors, tma_kv_reason, tma_layout, unit_last_stride,
-                                   use_tma)
+                                   unscaled_do_gate, use_tma)
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -182,14 +182,14 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, OFF, DKP, DVP,
-                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
+def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, GATE, START, KEYPOS, ROWSPAN, OFF, DKP,
+                     DVP, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdob, sdot, sdoh,
                      sdkb, sdkt, sdkh, sdvb, sdvt, sdvh,
                      T, TK, H, G, W, qk_scale, scale,
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
-                     KEYS_AS_ROWS: tl.constexpr):
+                     KEYS_AS_ROWS: tl.constexpr, HAS_GATE: tl.constexpr):
     """dK, dV of one key tile, summed over all G query heads of its group (no atomics).
     KEYS_AS_ROWS: the scores are kept transposed, [keys, rows], so P^T and dS^T feed the dV and
     dK dots from registers and Q / dO stay in shared memory; as [rows, keys] P and dS go through
@@ -198,7 +198,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
     TMA: Q/dO row tiles come through the descriptors QD, DOD, one box the BLOCK_M // G tokens
     x G heads of a tile (`_row_descriptors`: G divides BLOCK_M, and tiles start at whole
     tokens); without, QD and DOD go unread. Fixed length (VARLEN false) places queries at
-    key t + OFF in-kernel, so START, KEYPOS and ROWSPAN go unread."""
+    key t + OFF in-kernel, so START, KEYPOS and ROWSPAN go unread. HAS_GATE: dO is the
+    layer's, which the rows' gates GATE (fp32, one per row) scale: P takes them
+    (`utils.unscaled_do_gate`)."""
     # AOTInductor passes Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -252,6 +254,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
                 band = ok[None, :] & (cols[:, None] >= first[None, :]) & \
                     (cols[:, None] <= kpos[None, :])
                 pt = tl.where(band, pt, 0.0)
+            if HAS_GATE:
+                pt = pt * tl.load(GATE + row, mask=ok, other=0.0)[None, :]
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
             dst = pt * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
             dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
@@ -262,6 +266,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
                 band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
                     (cols[None, :] <= kpos[:, None])
                 p = tl.where(band, p, 0.0)
+            if HAS_GATE:
+                p = p * tl.load(GATE + row, mask=ok, other=0.0)[:, None]
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
@@ -273,18 +279,20 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, START, KEYPOS, ROWSPAN, O
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
+def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, GATE, START, KEYPOS, DQP,
                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, sdob, sdot, sdoh,
                    sdqb, sdqt, sdqh,
                    T, TK, H, G, W, OFF, qk_scale, scale,
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
-                   TMA: tl.constexpr):
+                   TMA: tl.constexpr, HAS_GATE: tl.constexpr):
     """dQ of one row tile (tokens x the G heads of one KV head). It runs before the dK dV
     kernel and writes the rows' delta = rowsum(dO * O) - dlse for it: every row belongs to one
     program here, and dO is loaded anyway (a separate pass took 0.7 ms at 64k on an H100).
-    TMA: K/V tiles through the descriptors KD, VD, as in `_fwd_kernel`."""
+    TMA: K/V tiles through the descriptors KD, VD, as in `_fwd_kernel`. HAS_GATE: dO is the
+    layer's, scaled by the rows' gates GATE (fp32): delta stays rowsum(dO * O), and dq takes the
+    gate last (`utils.unscaled_do_gate`)."""
     # AOTInductor passes Python floats as fp64
     qk_scale = tl.cast(qk_scale, tl.float32)
     scale = tl.cast(scale, tl.float32)
@@ -333,6 +341,8 @@ def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, START, KEYPOS, DQP,
         k_ptrs += BLOCK_N * skt
         v_ptrs += BLOCK_N * svt
 
+    if HAS_GATE:
+        dq = dq * tl.load(GATE + row, mask=ok, other=0.0)[:, None]
     tl.store(DQP + _offsets(b, tok, head, sdqb, sdqt, sdqh, dk_r),
              (dq * scale).to(DQP.dtype.element_ty), mask=q_mask)
 
@@ -597,12 +607,14 @@ def _row_spans(keypos: Tensor, Tk: int, window: int, block_n: int) -> Tensor:
 
 
 def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens_k=None,
-                tma=None):
+                tma=None, do_gate=None):
     B, T, HQ, Dk = q.shape
     Tk, H = k.shape[1], k.shape[2]
     G = HQ // H
     lse = lse.to(torch.float32).contiguous()
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    gate = unscaled_do_gate(do_gate, dlse)
+    gate = delta if gate is None else gate  # unread without a gate
     dlse_arg = delta if dlse is None else dlse.to(torch.float32).contiguous()  # unread if absent
     varlen = cu_seqlens is not None
     # fixed length: the kernels place query t at key t + Tk - T themselves (no position arrays)
@@ -611,15 +623,16 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     w = torch.sym_min(window, Tk)
     meta, kv, dq_tma = _operands("dq", tma, q, k, v)
     launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
-        q, k, v, *kv, o, do, lse, dlse_arg, delta, starts, keypos, dq,
+        q, k, v, *kv, o, do, lse, dlse_arg, delta, gate, starts, keypos, dq,
         *_strides(q, k, v, o, do, dq), T, Tk, H, G, w, Tk - T, scale * _LOG2E, scale,
-        HAS_DLSE=dlse is not None, VARLEN=varlen, TMA=dq_tma, **meta)
+        HAS_DLSE=dlse is not None, VARLEN=varlen, TMA=dq_tma, HAS_GATE=do_gate is not None,
+        **meta)
     meta, rows, dkdv_tma = _operands("dkdv", tma, q, k, v, do)
     spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"]) if varlen else delta
     launch(_bwd_dkdv_kernel)[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
-        q, k, v, do, *rows, lse, delta, starts, keypos, spans, Tk - T, dk, dv,
+        q, k, v, do, *rows, lse, delta, gate, starts, keypos, spans, Tk - T, dk, dv,
         *_strides(q, k, v, do, dk, dv), T, Tk, H, G, w, scale * _LOG2E, scale,
-        VARLEN=varlen, TMA=dkdv_tma, **meta)
+        VARLEN=varlen, TMA=dkdv_tma, HAS_GATE=do_gate is not None, **meta)
     return dq, dk, dv
 
 
@@ -850,7 +863,8 @@ def sliding_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: floa
                **_triton_extra(name, cu_seqlens_k, tma))
 
 
-def _triton_extra(backend: str, cu_seqlens_k: Optional[Tensor], tma: Optional[bool]) -> dict:
+def _triton_extra(backend: str, cu_seqlens_k: Optional[Tensor], tma: Optional[bool],
+                  do_gate: Optional[Tensor] = None) -> dict:
     """The keyword arguments a backend's call gets beyond the common ones."""
     extra = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
     if tma is not None:
@@ -858,6 +872,10 @@ def _triton_extra(backend: str, cu_seqlens_k: Optional[Tensor], tma: Optional[bo
             raise ValueError(f"tma={tma}: only the triton backend reads K/V itself, not "
                              f"{backend}")
         extra["tma"] = tma
+    if do_gate is not None:
+        if backend != "triton":
+            raise ValueError(f"do_gate: only the triton backend takes dO's gate, not {backend}")
+        extra["do_gate"] = do_gate
     return extra
 
 
@@ -866,10 +884,12 @@ def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
                        cu_seqlens: Optional[Tensor] = None,
                        backend: Optional[str] = None, *,
                        cu_seqlens_k: Optional[Tensor] = None,
-                       tma: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
+                       tma: Optional[bool] = None,
+                       do_gate: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of q, k, v; dS = P * (dP - rowsum(dO * O) + dlse). tma (the
     triton backend): the dQ kernel reads K/V and the dK dV kernel Q/dO through TMA descriptors
-    (None: each where `_tma_loads` allows; True forces both)."""
+    (None: each where `_tma_loads` allows; True forces both). do_gate (the triton backend, [B,
+    T, HQ]): the gradients of do_gate * do, from do (`utils.unscaled_do_gate`)."""
     _check_inputs(q, k, v, window, cu_seqlens)
     name = _backend_for(q, k, v, backend, cu_seqlens_k, backward=True)
     _, bwd = _BACKENDS[name]
@@ -877,4 +897,4 @@ def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o, do))
     return bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens,
-               **_triton_extra(name, cu_seqlens_k, tma))
+               **_triton_extra(name, cu_seqlens_k, tma, do_gate))

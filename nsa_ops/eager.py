@@ -15,7 +15,12 @@ forward runs the Triton kernel, its epilogue writes the gated combine of the thr
 (`ops.selection_gated`, `Route.gated`): the gate_combine op's pass would read the branch's
 output back from memory (H100, bf16, spec geometry, synced forward without grad, three
 interleaved rounds: 8k 2.70-2.71 -> 2.61-2.63 ms, 16k 6.22-6.23 -> 6.05-6.06, 64k 36.22-36.37 ->
-35.56-35.65; forward+backward within the spread, 64k 106.3-107.5 -> 106.1-106.3). The one node
+35.56-35.65; forward+backward within the spread, 64k 106.3-107.5 -> 106.1-106.3). Its backward
+has the gate's backward write only the compressed branch's g * dO and hands the window and
+selection backward dO and their gate (`ops.window_backward`, `selection_backward_adding`'s
+do_gate, `Route.scales_do`): two [B, T, HQ, Dv] products neither written nor held (H100, three
+rounds in alternating processes: the step's peak at 64k 16.16 -> 15.16 GiB, 16k 4.99 -> 4.74,
+8k 2.35 -> 2.23; 64k step 104.6-105.7 -> 104.3-104.5 ms, 8k and 16k within the spread). The one node
 itself, H100, spec geometry, forward+backward from an idle GPU against NSA_OPS_EAGER_LAYER=0,
 two readings each in one run: 8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k 23.20 / 23.26 -> 22.14 /
 22.04, 64k 117.45 / 117.57 -> 115.71 / 116.72 (before the early index, `c6fc1e7`). The cost is
@@ -136,20 +141,21 @@ class _Layer(torch.autograd.Function):
          lse_win, block_idx) = ctx.saved_tensors
         plan = ctx.plan
         cu_q, cu_k = plan.cu_q, plan.cu_k
-        # each branch's dO is dropped once its backward has run (the saved outputs stay until
-        # the node is done, where the ops' nodes free theirs one by one: more peak memory)
+        # the gate's backward writes only the compressed branch's g * dO (cuDNN's backward takes
+        # no gate): the window and selection backward take dO and their gate (do_gate), their
+        # kernels scaling P, so two [B, T, HQ, Dv] products are neither written nor held. The
+        # saved outputs stay until the node is done, where the ops' nodes free theirs one by one
         with routing.force(**ctx.forces):
             with _named("gate_combine_backward"):
-                do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_combine_backward._init_fn(
-                    do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads)
-            del do
+                do_cmp, _, _, dg_cmp, dg_slc, dg_win = ops.gate_backward(
+                    do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads,
+                    branch_grads=(False, False))
             dq_parts = []
             if plan.window:
                 with _named("sliding_window_attention_backward"):
-                    dq_win, dk_win, dv_win = ops.sliding_window_attention_backward._init_fn(
-                        q, k, v, o_win, lse_win, do_win, None, plan.window, plan.scale, cu_q,
-                        cu_k)
-                del do_win
+                    dq_win, dk_win, dv_win = ops.window_backward(
+                        q, k, v, o_win, lse_win, do, None, plan.window, plan.scale, cu_q, cu_k,
+                        do_gate=g_win)
                 dq_parts.append(dq_win)
             # the selection backward, routed once, and its index (some 60 small kernels) on a side
             # stream, built while the compressed backward runs; started after the gate and window
@@ -165,9 +171,8 @@ class _Layer(torch.autograd.Function):
             # last, so that its dq kernel sums the other branches' dq as it writes its own
             with _named("selection_attention_backward"):
                 dq, dk, dv = ops.selection_backward_adding(
-                    tuple(dq_parts), q, k, v, o_slc, lse_slc, do_slc, None, block_idx,
-                    plan.sel_block, plan.scale, cu_q, cu_k, routed)
-            del do_slc
+                    tuple(dq_parts), q, k, v, o_slc, lse_slc, do, None, block_idx,
+                    plan.sel_block, plan.scale, cu_q, cu_k, routed, do_gate=g_slc)
             if plan.window:
                 dk += dk_win
                 dv += dv_win

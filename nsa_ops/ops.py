@@ -284,11 +284,13 @@ def selection_backward_adding(dq_add: tuple[Tensor, ...], q: Tensor, k: Tensor, 
                               block_idx: Tensor, sel_block: int, scale: float,
                               cu_seqlens: Optional[Tensor] = None,
                               cu_seqlens_k: Optional[Tensor] = None,
-                              routed: Optional[SelectionBackward] = None
+                              routed: Optional[SelectionBackward] = None,
+                              do_gate: Optional[Tensor] = None
                               ) -> tuple[Tensor, Tensor, Tensor]:
     """selection_attention_backward's body, its dq summed with the gradients dq_add (shaped
     like q): inside the backward where the route takes them (`Route.adds_dq`), else after.
-    routed: `selection_backward_index`'s, for the same inputs (None: routed here)."""
+    routed: `selection_backward_index`'s, for the same inputs (None: routed here). do_gate: as
+    `window_backward`'s."""
     kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
     if routed is None:
         routed = SelectionBackward(
@@ -298,6 +300,7 @@ def selection_backward_adding(dq_add: tuple[Tensor, ...], q: Tensor, k: Tensor, 
         kw["dq_add"] = dq_add
     if routed.index is not None:
         kw["index"] = routed.index
+    do = _gated_do(route, do, do_gate, o, kw)
     dq, dk, dv = _call(route.backward, route, q, k, v, o, lse, do, dlse, block_idx, sel_block,
                        scale, cu_seqlens, **kw)
     if not route.adds_dq:
@@ -362,10 +365,33 @@ def sliding_window_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor
                                       scale: float, cu_seqlens: Optional[Tensor] = None,
                                       cu_seqlens_k: Optional[Tensor] = None
                                       ) -> tuple[Tensor, Tensor, Tensor]:
+    return window_backward(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens_k)
+
+
+def window_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+                    dlse: Optional[Tensor], window: int, scale: float,
+                    cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                    do_gate: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """sliding_window_attention_backward's body; do_gate ([B, T, HQ]): the gradients of do_gate
+    * do, which the route's kernels take from do where they can (`Route.scales_do`), else the
+    product is formed here."""
     kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
     route = _route("sliding_window_attention", q, v, cu_seqlens, offset, backward=True)
+    do = _gated_do(route, do, do_gate, o, kw)
     return _call(route.backward, route, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens,
                  **kw)
+
+
+def _gated_do(route: routing.Route, do: Tensor, do_gate: Optional[Tensor], o: Tensor,
+              kw: dict) -> Tensor:
+    """do for a backward of do_gate * do: do itself with do_gate in kw where the route's kernels
+    take the gate (`Route.scales_do`), else the product, as gate_combine_backward forms it."""
+    if do_gate is None:
+        return do
+    if route.scales_do:
+        kw["do_gate"] = do_gate
+        return do
+    return (do_gate.unsqueeze(-1) * do).to(o.dtype)
 
 
 @sliding_window_attention_backward.register_fake
@@ -437,8 +463,18 @@ def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optio
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads
     and, unless gate_grads, the gate grads are empty [0] tensors."""
+    return gate_backward(do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads)
+
+
+def gate_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
+                  g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool,
+                  branch_grads: tuple[bool, bool] = (True, True)) -> tuple[Tensor, ...]:
+    """gate_combine_backward's body; branch_grads (selection, window) False: that branch's
+    gradient g * dO comes back empty (nsa_attention's eager backward, whose branch backward
+    takes dO and the gate instead: `selection_backward_adding`'s do_gate)."""
     route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, backward=True)
-    return _call(route.backward, route, do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads)
+    return _call(route.backward, route, do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads,
+                 branch_grads=tuple(branch_grads))
 
 
 @gate_combine_backward.register_fake

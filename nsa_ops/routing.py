@@ -537,6 +537,9 @@ class Route:
     # "module:function": the forward with the gated combine of the branches in its epilogue
     # (nsa_ops.eager's layer runs it instead of the forward and the gate_combine op)
     gated: Optional[str] = None
+    # the backward takes do_gate=: the gradients of do_gate * do from do itself (nsa_ops.eager's
+    # layer, whose gate backward then need not write that product for the branch)
+    scales_do: bool = False
 
 
 _REF = "nsa_ops.reference"
@@ -559,16 +562,17 @@ TABLE: tuple[Route, ...] = (
     Route("selection_attention", "triton", "nsa_ops.kernels.selection:selection_attention_fwd",
           "nsa_ops.kernels.selection:selection_attention_bwd", _triton,
           defer=_selection_kernel_preferred, interpreted=True, adds_dq=True,
-          index=_SELECTION_INDEX,
+          index=_SELECTION_INDEX, scales_do=True,
           gated="nsa_ops.kernels.selection:selection_attention_gated_fwd"),
     # the backward reuses the Triton kernels, which serve every input this row serves
     Route("selection_attention", "packed_sdpa", "nsa_ops.packed:selection_attention_packed",
           "nsa_ops.kernels.selection:selection_attention_bwd", _first(_triton, _no_offset),
-          interpreted=True, adds_dq=True, index=_SELECTION_INDEX),
+          interpreted=True, adds_dq=True, index=_SELECTION_INDEX, scales_do=True),
     Route("selection_attention", "reference", f"{_REF}:selection_attention",
           f"{_REF}:selection_attention_backward", _always),
     Route("sliding_window_attention", "triton", _WIN_FWD, _WIN_BWD, _triton,
-          (("backend", "triton"),), defer=_triton_window_preferred, interpreted=True),
+          (("backend", "triton"),), defer=_triton_window_preferred, interpreted=True,
+          scales_do=True),
     Route("sliding_window_attention", "flash_attn", _WIN_FWD, _WIN_BWD,
           _flash_attn_row, (("backend", "flash_attn"),)),
     Route("sliding_window_attention", "aten_fa2", _WIN_FWD, _WIN_BWD,

@@ -37,6 +37,17 @@ def _layer(monkeypatch, eager, Tq, Tk, window, gate_grad, lengths, given, phi="m
     return o, [q.grad, k.grad, v.grad, *(x.grad for x in g)], seen[0]
 
 
+def _assert_grads_match(grads, grads_ops, atol=1e-6, rtol=1e-5):
+    """The layer's (dq, dk, dv, dg_cmp, dg_slc, dg_win) against the ops': the same branch
+    gradients, summed in another order (or, with tolerances given, computed otherwise)."""
+    for name, got, want in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_win"), grads,
+                               grads_ops):
+        if want is None:
+            assert got is None, name
+        else:
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=name)
+
+
 @pytest.mark.parametrize("Tq,Tk,window,gate_grad,lengths,given", CASES)
 def test_eager_layer_matches_ops(monkeypatch, Tq, Tk, window, gate_grad, lengths, given):
     o, grads, block_idx = _layer(monkeypatch, True, Tq, Tk, window, gate_grad, lengths, given)
@@ -46,13 +57,7 @@ def test_eager_layer_matches_ops(monkeypatch, Tq, Tk, window, gate_grad, lengths
     assert type(o_ops.grad_fn).__name__ != "_LayerBackward"
     torch.testing.assert_close(o, o_ops, atol=0, rtol=0)
     assert torch.equal(block_idx, block_idx_ops)
-    for name, got, want in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_win"), grads,
-                               grads_ops):
-        if want is None:
-            assert got is None, name
-        else:
-            # the branches' gradients are the same; only the order they are summed in may differ
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
+    _assert_grads_match(grads, grads_ops)
 
 
 def test_eager_layer_leaves_learnable_phi_to_the_ops(monkeypatch):
@@ -112,15 +117,35 @@ def test_eager_gate_in_selection_epilogue(monkeypatch):
         assert combines == []
         o_ops, grads_ops, _ = _layer(monkeypatch, False, *CASES[0])
         torch.testing.assert_close(o, o_ops, atol=1e-6, rtol=1e-5)
-        for name, got, want in zip(("dq", "dk", "dv", "dg_cmp", "dg_slc", "dg_win"), grads,
-                                   grads_ops):
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=name)
+        _assert_grads_match(grads, grads_ops)
         with observe.parity(1.0):
             _layer(monkeypatch, True, *CASES[1])
         assert len(combines) == 1
     with routing.force(selection_attention="reference"):
         _layer(monkeypatch, True, *CASES[0])
     assert len(combines) == 2
+
+
+@pytest.mark.parametrize("window_impl", ["triton", "reference"])
+def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
+    """The layer's gate backward writes only the compressed branch's g * dO; the selection and
+    window backward take dO and their gate (`Route.scales_do`: the Triton kernels scale P),
+    else the product is formed for them: the same gradients as through the ops, with packed
+    sequences and queries at an offset too."""
+    pytest.importorskip("triton")
+    from nsa_ops import ops
+    calls = []
+    backward = ops.gate_backward
+    monkeypatch.setattr(ops, "gate_backward",
+                        lambda *a, **kw: calls.append(kw.get("branch_grads"))
+                        or backward(*a, **kw))
+    with routing.force(selection_attention="triton", sliding_window_attention=window_impl):
+        for case in (CASES[0], CASES[2], CASES[3], CASES[4]):
+            _, grads, _ = _layer(monkeypatch, True, *case)
+            _, grads_ops, _ = _layer(monkeypatch, False, *case)
+            # P takes the gate where the ops' path rounds g * dO first
+            _assert_grads_match(grads, grads_ops, atol=1e-5, rtol=1e-4)
+    assert calls == [(False, False), None] * 4  # the layer's, then the gate op's
 
 
 def test_pool_backward_matches_autograd():

@@ -488,6 +488,51 @@ def test_selection_gated_forward(tma, shared, window, keep, dtype, strided, leng
     assert_close("o", o, want, dtype)
 
 
+@pytest.mark.parametrize("case,stored_ds,shared,window,lengths", [
+    (SHARED_CASES[1], True, True, None, None),
+    (SHARED_CASES[5], False, True, None, None),
+    (SHARED_CASES[4], True, True, 32, None),
+    (SHARED_CASES[0], True, False, None, None),
+    (SHARED_CASES[0], False, None, None, (21, 39, 37)),
+])
+def test_selection_backward_do_gate(case, stored_ds, shared, window, lengths, monkeypatch,
+                                    poisoned_empty):
+    """do_gate (nsa_attention's eager backward): the gradients of do_gate * do from do, the
+    kernels scaling P (dK dV, so the dS stored too) and dq rows (the walk and dq's shared pass,
+    which takes groups sharing 2 blocks here), over query windows and packed sequences, against
+    the reference given the product; gates of either sign; an lse gradient beside it refused."""
+    monkeypatch.setattr(sel_kernels, "SHARED_DQ_MIN", 2)
+    B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run, drop = case
+    cu = None
+    q, k, v = make_qkv(B, Tk, H, G, Dk, Dv, dtype, seed=7)
+    if lengths is None:
+        block_idx = shared_case_block_idx(q, k, Tq, sel_block, n, run, drop)
+        q = q[:, Tk - Tq:]
+    else:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        block_idx = random_block_idx(B, Tk, H, n, sel_block, cu)
+    if window:
+        ds_budget(monkeypatch, q, n, sel_block, window + 1)
+    scale = Dk ** -0.5
+    gen = torch.Generator().manual_seed(10)
+    do = torch.randn(q.shape[:3] + (Dv,), generator=gen).to(dtype)
+    gate = (torch.rand(q.shape[:3], generator=gen) - 0.25).to(dtype)
+    o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, scale, cu,
+                                     tma=shared, shared=shared)
+    grads = selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel_block, scale, cu,
+                                    shared=shared, stored_ds=stored_ds, do_gate=gate)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    o_ref, lse_ref = ref.selection_attention(q64, k64, v64, block_idx, sel_block, scale, cu)
+    grads_ref = ref.selection_attention_backward(
+        q64, k64, v64, o_ref, lse_ref, gate.double().unsqueeze(-1) * do.double(), None,
+        block_idx, sel_block, scale, cu)
+    for name, grad, expected in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert_close(name, grad, expected, dtype)
+    with pytest.raises(ValueError, match="do_gate: a backward takes a gate for dO only"):
+        selection_attention_bwd(q, k, v, o, lse, do, torch.zeros_like(lse), block_idx, sel_block,
+                                scale, cu, do_gate=gate)
+
+
 @pytest.mark.parametrize("tma,shared", [(False, False), (True, False), (True, True)])
 def test_selection_future_keys_unread(tma, shared, poisoned_empty):
     """Keys a query may not see never reach its sums, even non-finite ones: NaN keys and values

@@ -201,6 +201,38 @@ def test_triton_tma(B, Tq, Tk, G, Dk, Dv, w, lengths, poisoned_empty):
                  torch.float32)
 
 
+@pytest.mark.parametrize("B,Tq,Tk,G,w,lengths,tma,keys_as_rows,dtype", [
+    (2, 37, 37, 2, 8, None, False, False, torch.float32),
+    (1, 30, 70, 4, 20, None, True, True, torch.float32),
+    (1, 100, 100, 2, 40, (13, 1, 36, 50), False, True, torch.float16),
+    (2, 80, 80, 2, 40, None, True, False, torch.float16),
+])
+def test_triton_backward_do_gate(B, Tq, Tk, G, w, lengths, tma, keys_as_rows, dtype, monkeypatch,
+                                 poisoned_empty):
+    """do_gate (nsa_attention's eager backward): the gradients of do_gate * do from do, the
+    kernels scaling P (both forms of the dK dV kernel, pointer and TMA row loads), against the
+    reference given the product; an lse gradient beside it is refused by name; other backends
+    refuse it."""
+    tile = dataclasses.replace(win._INTERPRETER_TILES, keys_as_rows=keys_as_rows)
+    monkeypatch.setattr(win, "_INTERPRETER_TILES", tile)
+    q, k, v, do, dlse = _inputs(B, Tk, H, G, 16, 16, dtype, seed=Tk + 7 * G)
+    q, do, dlse = q[:, Tk - Tq:], do[:, Tk - Tq:], dlse[:, Tk - Tq:]
+    gate = torch.rand(q.shape[:3], generator=torch.Generator().manual_seed(9)).to(dtype) - 0.25
+    cu = None if lengths is None else torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    scale = 16 ** -0.5
+    o, lse = win.sliding_window_fwd(q, k, v, w, scale, cu, backend="triton")
+    grads = win.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale, cu, backend="triton",
+                                   tma=tma, do_gate=gate)
+    gated = gate.double().unsqueeze(-1) * do.double()
+    refs = _reference(q, k, v, gated, None, w, scale, cu, torch.float64)
+    _check_close((o, lse, *grads), refs, dtype)
+    with pytest.raises(ValueError, match="do_gate: a backward takes a gate for dO only"):
+        win.sliding_window_bwd(q, k, v, o, lse, do, dlse, w, scale, cu, backend="triton",
+                               do_gate=gate)
+    with pytest.raises(ValueError, match="do_gate: only the triton backend"):
+        win._triton_extra("aten_fa2", None, None, gate)
+
+
 def test_triton_tma_refuses(poisoned_empty):
     q, k, v, _, _ = _inputs(1, 20, H, 2, 16, 16, torch.float32)
     k_odd = torch.randn(1, 20, H, 17)[..., :16]  # token stride 68 bytes: no TMA descriptor
