@@ -385,12 +385,13 @@ def window_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do:
 def _gated_do(route: routing.Route, do: Tensor, do_gate: Optional[Tensor], o: Tensor,
               kw: dict) -> Tensor:
     """do for a backward of do_gate * do: do itself with do_gate in kw where the route's kernels
-    take the gate (`Route.scales_do`), else the product, as gate_combine_backward forms it."""
+    take the gate (`Route.scales_do`), else the product, as gate_combine_backward forms it;
+    either in the branch's dtype (the layer's dO is wider where its gates are)."""
     if do_gate is None:
         return do
     if route.scales_do:
         kw["do_gate"] = do_gate
-        return do
+        return do.to(o.dtype)
     return (do_gate.unsqueeze(-1) * do).to(o.dtype)
 
 

@@ -148,6 +148,25 @@ def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
     assert calls == [(False, False), None] * 4  # the layer's, then the gate op's
 
 
+def test_eager_gates_of_a_wider_dtype(monkeypatch):
+    """fp32 gates over fp16 branches make the layer's output, and so its dO, fp32: the gate
+    op combines (the epilogue keeps q's dtype only), and the Triton window and selection
+    backward, which take dO and the gate, get dO in their branch's dtype, as the gate's
+    backward gave it; the same gradients as through the ops."""
+    pytest.importorskip("triton")
+    results = {}
+    with routing.force(selection_attention="triton", sliding_window_attention="triton"):
+        for eager in (True, False):
+            monkeypatch.setenv("NSA_OPS_EAGER_LAYER", "1" if eager else "0")
+            q, k, v = qkv(1, 64, 4, 2, 16, 16, torch.float16, requires_grad=True, seed=3)
+            g = [x.requires_grad_() for x in gates(1, 64, 4, seed=4)]
+            o = nsa_ops.nsa_attention(q, k, v, *g, window=16, **SMALL)
+            assert o.dtype == torch.float32
+            o.backward(torch.randn(o.shape, generator=torch.Generator().manual_seed(6)))
+            results[eager] = [q.grad, k.grad, v.grad, *(x.grad for x in g)]
+    _assert_grads_match(results[True], results[False], atol=2e-3, rtol=2e-3)
+
+
 def test_pool_backward_matches_autograd():
     """reference.compress_mean_backward, which the eager backward uses for fixed-length mean
     pooling with d | l, against autograd through compress_mean (T short of a block, ragged
