@@ -745,12 +745,23 @@ def resolve(target: str) -> Callable:
     return fn
 
 
+def _eager_folds(row: Route) -> list[str]:
+    """What nsa_attention's eager layer (nsa_ops.eager) folds into this row's kernels."""
+    return [what for what, on in (
+        ("the gated combine in its forward's epilogue", row.gated is not None),
+        ("its backward's index built early on a side stream", row.index is not None),
+        ("the other branches' dq summed in its backward", row.adds_dq),
+        ("its gate taken in its backward, not g * dO", row.scales_do)) if on]
+
+
 def describe(examples: Optional[list[Inputs]] = None) -> str:
     """The table, the thresholds in effect and where each came from, and for each example input
     which impl runs and why the others do not."""
     lines = ["nsa_ops routing table (first candidate without a refusal runs):"]
     for op in OPS:
         lines.append(f"  {op}: " + " -> ".join(r.impl for r in candidates(op)))
+        lines += [f"      {r.impl}, in nsa_attention's eager layer: {', '.join(folds)}"
+                  for r in candidates(op) if (folds := _eager_folds(r))]
     limits = thresholds()
     origin = "defaults" if limits.origin is None else f"{limits.origin} over the defaults"
     lines.append(f"\nthresholds ({origin}):")

@@ -127,6 +127,11 @@ def test_describe_prints_every_op():
     for op in routing.OPS:
         assert op in text
     assert "refused:" in text
+    # what the eager layer folds into a row, from the row's fields
+    assert ("triton, in nsa_attention's eager layer: the gated combine in its forward's "
+            "epilogue, its backward's index built early on a side stream, the other "
+            "branches' dq summed in its backward, its gate taken in its backward") in text
+    assert "aten_fa2, in nsa_attention's eager layer" not in text
 
 
 def test_unknown_op():
