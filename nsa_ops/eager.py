@@ -141,26 +141,35 @@ class _Layer(torch.autograd.Function):
          lse_win, block_idx) = ctx.saved_tensors
         plan = ctx.plan
         cu_q, cu_k = plan.cu_q, plan.cu_k
-        # the gate's backward writes only the compressed branch's g * dO (cuDNN's backward takes
-        # no gate): the window and selection backward take dO and their gate (do_gate), their
-        # kernels scaling P, so two [B, T, HQ, Dv] products are neither written nor held. The
-        # saved outputs stay until the node is done, where the ops' nodes free theirs one by one
+        # the gate's backward writes g * dO only for the branches whose kernels do not take the
+        # gate (`Route.scales_do`): cuDNN's compressed backward, and FA-2's window; the Triton
+        # window and selection backward take dO and their gate (do_gate), scaling P, so their
+        # [B, T, HQ, Dv] products are neither written nor held. The saved outputs stay until
+        # the node is done, where the ops' nodes free theirs one by one
         with routing.force(**ctx.forces):
+            sel_route = ops.backward_route("selection_attention", q, k, v, cu_q, cu_k)
+            win_route = ops.backward_route("sliding_window_attention", q, k, v, cu_q, cu_k) \
+                if plan.window else None
+            slc_gated = sel_route.scales_do
+            win_gated = win_route is not None and win_route.scales_do
             with _named("gate_combine_backward"):
-                do_cmp, _, _, dg_cmp, dg_slc, dg_win = ops.gate_backward(
+                do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_backward(
                     do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads,
-                    branch_grads=(False, False))
+                    branch_grads=(not slc_gated, not win_gated))
             dq_parts = []
             if plan.window:
                 with _named("sliding_window_attention_backward"):
                     dq_win, dk_win, dv_win = ops.window_backward(
-                        q, k, v, o_win, lse_win, do, None, plan.window, plan.scale, cu_q, cu_k,
-                        do_gate=g_win)
+                        q, k, v, o_win, lse_win, do if win_gated else do_win, None, plan.window,
+                        plan.scale, cu_q, cu_k, do_gate=g_win if win_gated else None,
+                        route=win_route)
+                del do_win
                 dq_parts.append(dq_win)
-            # the selection backward, routed once, and its index (some 60 small kernels) on a side
-            # stream, built while the compressed backward runs; started after the gate and window
-            # backward are queued, so that the GPU has work while the host launches it
-            routed = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k)
+            # the selection backward's index (some 60 small kernels) on a side stream, built while
+            # the compressed backward runs; started after the gate and window backward are
+            # queued, so that the GPU has work while the host launches it
+            routed = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k,
+                                                  sel_route)
             with _named("compressed_attention_backward"):
                 dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
                     q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, None,
@@ -171,8 +180,10 @@ class _Layer(torch.autograd.Function):
             # last, so that its dq kernel sums the other branches' dq as it writes its own
             with _named("selection_attention_backward"):
                 dq, dk, dv = ops.selection_backward_adding(
-                    tuple(dq_parts), q, k, v, o_slc, lse_slc, do, None, block_idx,
-                    plan.sel_block, plan.scale, cu_q, cu_k, routed, do_gate=g_slc)
+                    tuple(dq_parts), q, k, v, o_slc, lse_slc, do if slc_gated else do_slc, None,
+                    block_idx, plan.sel_block, plan.scale, cu_q, cu_k, routed,
+                    do_gate=g_slc if slc_gated else None)
+            del do_slc
             if plan.window:
                 dk += dk_win
                 dv += dv_win

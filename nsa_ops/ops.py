@@ -267,13 +267,25 @@ class SelectionBackward(NamedTuple):
     index: Any
 
 
+def backward_route(op: str, q: Tensor, k: Tensor, v: Tensor,
+                   cu_seqlens: Optional[Tensor] = None,
+                   cu_seqlens_k: Optional[Tensor] = None) -> routing.Route:
+    """The route the backward of op ("selection_attention", "sliding_window_attention") takes
+    for these inputs: nsa_attention's eager backward plans around it (whether it takes dO's
+    gate, `Route.scales_do`) and hands it on (`selection_backward_index`, `window_backward`)."""
+    _, offset = _keys(q, k.shape[1], cu_seqlens_k)
+    return _route(op, q, v, cu_seqlens, offset, backward=True)
+
+
 def selection_backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor,
                              sel_block: int, cu_seqlens: Optional[Tensor] = None,
-                             cu_seqlens_k: Optional[Tensor] = None) -> SelectionBackward:
-    """Routes the selection backward of these inputs now and starts what its route reads, for
-    `selection_backward_adding`'s routed=."""
-    kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
-    route = _route("selection_attention", q, v, cu_seqlens, offset, backward=True)
+                             cu_seqlens_k: Optional[Tensor] = None,
+                             route: Optional[routing.Route] = None) -> SelectionBackward:
+    """Routes the selection backward of these inputs now (route: `backward_route`'s, already
+    routed) and starts what its route reads, for `selection_backward_adding`'s routed=."""
+    kw, _ = _keys(q, k.shape[1], cu_seqlens_k)
+    if route is None:
+        route = backward_route("selection_attention", q, k, v, cu_seqlens, cu_seqlens_k)
     index = None if route.index is None else \
         routing.resolve(route.index)(q, k, v, block_idx, sel_block, cu_seqlens, **kw)
     return SelectionBackward(route, index)
@@ -371,12 +383,14 @@ def sliding_window_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor
 def window_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
                     dlse: Optional[Tensor], window: int, scale: float,
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
-                    do_gate: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """sliding_window_attention_backward's body; do_gate ([B, T, HQ]): the gradients of do_gate
-    * do, which the route's kernels take from do where they can (`Route.scales_do`), else the
-    product is formed here."""
-    kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
-    route = _route("sliding_window_attention", q, v, cu_seqlens, offset, backward=True)
+                    do_gate: Optional[Tensor] = None,
+                    route: Optional[routing.Route] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """sliding_window_attention_backward's body (route: `backward_route`'s, already routed);
+    do_gate ([B, T, HQ]): the gradients of do_gate * do, for a route whose kernels take the
+    gate (`Route.scales_do`)."""
+    kw, _ = _keys(q, k.shape[1], cu_seqlens_k)
+    if route is None:
+        route = backward_route("sliding_window_attention", q, k, v, cu_seqlens, cu_seqlens_k)
     do = _gated_do(route, do, do_gate, o, kw)
     return _call(route.backward, route, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens,
                  **kw)
@@ -384,15 +398,16 @@ def window_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do:
 
 def _gated_do(route: routing.Route, do: Tensor, do_gate: Optional[Tensor], o: Tensor,
               kw: dict) -> Tensor:
-    """do for a backward of do_gate * do: do itself with do_gate in kw where the route's kernels
-    take the gate (`Route.scales_do`), else the product, as gate_combine_backward forms it;
-    either in the branch's dtype (the layer's dO is wider where its gates are)."""
+    """do for a backward of do_gate * do, with do_gate in kw: in the branch's dtype (the layer's
+    dO is wider where its gates are). Routes whose kernels take no gate (`Route.scales_do`) get
+    g * dO from the gate's backward instead (nsa_ops.eager asks `backward_route` first)."""
     if do_gate is None:
         return do
-    if route.scales_do:
-        kw["do_gate"] = do_gate
-        return do.to(o.dtype)
-    return (do_gate.unsqueeze(-1) * do).to(o.dtype)
+    if not route.scales_do:
+        raise ValueError(f"do_gate: the {route.impl} backward of nsa.{route.op} takes no gate "
+                         f"for dO (Route.scales_do); pass do_gate * do as do")
+    kw["do_gate"] = do_gate
+    return do.to(o.dtype)
 
 
 @sliding_window_attention_backward.register_fake

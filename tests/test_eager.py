@@ -128,10 +128,11 @@ def test_eager_gate_in_selection_epilogue(monkeypatch):
 
 @pytest.mark.parametrize("window_impl", ["triton", "reference"])
 def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
-    """The layer's gate backward writes only the compressed branch's g * dO; the selection and
-    window backward take dO and their gate (`Route.scales_do`: the Triton kernels scale P),
-    else the product is formed for them: the same gradients as through the ops, with packed
-    sequences and queries at an offset too."""
+    """The layer's gate backward writes g * dO only for the branches whose route takes no gate:
+    the selection and window backward take dO and their gate where their route does
+    (`Route.scales_do`: the Triton kernels scale P), the reference window gets the product from
+    the gate's backward: the same gradients as through the ops, with packed sequences and
+    queries at an offset too; a gate for a route that takes none is refused by name."""
     pytest.importorskip("triton")
     from nsa_ops import ops
     calls = []
@@ -145,7 +146,14 @@ def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
             _, grads_ops, _ = _layer(monkeypatch, False, *case)
             # P takes the gate where the ops' path rounds g * dO first
             _assert_grads_match(grads, grads_ops, atol=1e-5, rtol=1e-4)
-    assert calls == [(False, False), None] * 4  # the layer's, then the gate op's
+    # the layer's (selection, window), then the gate op's
+    assert calls == [(False, window_impl != "triton"), None] * 4
+    q, k, v = qkv(1, 64, 4, 2, 16, 16)
+    gate = gates(1, 64, 4)[0]
+    with routing.force(sliding_window_attention="reference"), \
+            pytest.raises(ValueError, match="do_gate: the reference backward of "
+                                            "nsa.sliding_window_attention takes no gate"):
+        ops.window_backward(q, k, v, q, gate, q, None, 16, 0.25, do_gate=gate)
 
 
 def test_eager_gates_of_a_wider_dtype(monkeypatch):
