@@ -1417,15 +1417,15 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
         else (k, v)
     if gated is None:  # the combine's arguments go unread
         combine = (o, o, o, lse, lse, lse, 0, 0, 0)
+        flags = dict(GATED=False, HAS_WIN=False, KEEP_BRANCH=True)
     else:
         og, o_cmp, o_win, g_cmp, g_slc, g_win = gated
         combine = (og, *gated_rows_args(o_cmp, o_win, g_cmp, g_slc, g_win))
+        flags = dict(GATED=True, HAS_WIN=o_win is not None, KEEP_BRANCH=og is not o)
     launch(_fwd_kernel)[(T, B * H)](
         q, k, v, *kv, o, lse, rest if group else bidx, *queries.kernel_args(bidx), *strides,
         T, n, qk_scale, *combine, IS_VARLEN=queries.varlen, TMA=tma, TT=group, **constants,
-        GATED=gated is not None, HAS_WIN=gated is not None and gated[2] is not None,
-        KEEP_BRANCH=gated is None or gated[0] is not o,
-        **_per_token_launch("fwd_tma" if tma else "fwd", q.dtype, _wide(dkp, dvp)))
+        **flags, **_per_token_launch("fwd_tma" if tma else "fwd", q.dtype, _wide(dkp, dvp)))
 
 
 def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
