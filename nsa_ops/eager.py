@@ -16,9 +16,10 @@ forward runs the Triton kernel, its epilogue writes the gated combine of the thr
 output back from memory (H100, bf16, spec geometry, synced forward without grad, three
 interleaved rounds: 8k 2.70-2.71 -> 2.61-2.63 ms, 16k 6.22-6.23 -> 6.05-6.06, 64k 36.22-36.37 ->
 35.56-35.65; forward+backward within the spread, 64k 106.3-107.5 -> 106.1-106.3). Its backward
-has the gate's backward write only the compressed branch's g * dO and hands the window and
-selection backward dO and their gate (`ops.window_backward`, `selection_backward_adding`'s
-do_gate, `Route.scales_do`): two [B, T, HQ, Dv] products neither written nor held (H100, three
+hands the window and selection backward dO and their gate where their routes take it
+(`ops.backward_route`, `Route.scales_do`: the Triton kernels), and the gate's backward writes
+g * dO only for the others (cuDNN's compressed backward, FA-2's window): on sm90 two [B, T,
+HQ, Dv] products neither written nor held (H100, three
 rounds in alternating processes: the step's peak at 64k 16.16 -> 15.16 GiB, 16k 4.99 -> 4.74,
 8k 2.35 -> 2.23; 64k step 104.6-105.7 -> 104.3-104.5 ms, 8k and 16k within the spread). The one node
 itself, H100, spec geometry, forward+backward from an idle GPU against NSA_OPS_EAGER_LAYER=0,
