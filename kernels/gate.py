@@ -82,12 +82,14 @@ def _bwd_kernel(DO, OC, OS, OW, GC, GS, GW, DOC, DOS, DOW, DGC, DGS, DGW, R, sgc
         _store(DOS, rows, rmask, _gate(GS, rows, rmask, sgs)[:, None] * do, DV, DVP)
     if HAS_WIN and WIN_GRAD:
         _store(DOW, rows, rmask, _gate(GW, rows, rmask, sgw)[:, None] * do, DV, DVP)
+    # a branch that takes dO and its gate gets its rows' sums (its delta) whether or not the
+    # gates need grads
     if GATE_GRADS:
         tl.store(DGC + rows, tl.sum(do * _tile(OC, rows, rmask, DV, DVP), axis=1), mask=rmask)
+    if GATE_GRADS or not SLC_GRAD:
         tl.store(DGS + rows, tl.sum(do * _tile(OS, rows, rmask, DV, DVP), axis=1), mask=rmask)
-        if HAS_WIN:
-            tl.store(DGW + rows, tl.sum(do * _tile(OW, rows, rmask, DV, DVP), axis=1),
-                     mask=rmask)
+    if HAS_WIN and (GATE_GRADS or not WIN_GRAD):
+        tl.store(DGW + rows, tl.sum(do * _tile(OW, rows, rmask, DV, DVP), axis=1), mask=rmask)
 
 
 def _launch(o: Tensor) -> tuple[int, dict]:
@@ -152,16 +154,17 @@ def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[T
                      g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool,
                      branch_grads: tuple[bool, bool] = (True, True)
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads,
-    unless gate_grads the gate grads, and d_o_slc / d_o_win where branch_grads says False are
-    empty [0] tensors (nsa_attention's eager backward hands the selection and window kernels dO
-    and the gate instead, `Route.scales_do`)."""
+    """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads
+    and, unless gate_grads, the gate grads are empty [0] tensors. Where branch_grads (selection,
+    window) says False, that branch's slot holds instead its rows' rowsum(dO * o) (fp32 [B, T,
+    HQ]): nsa_attention's eager backward hands that branch's kernels dO and the gate
+    (`Route.scales_do`), and these sums as their delta."""
     branches, gates = _present(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
     wanted = (True, *branch_grads)
     d_o = [torch.empty(x.shape if want else (0,), dtype=x.dtype, device=x.device)
            for x, want in zip(branches, wanted)]
-    d_g = [torch.empty(g.shape if gate_grads else (0,), dtype=torch.float32, device=g.device)
-           for g in gates]
+    d_g = [torch.empty(g.shape if gate_grads or not want else (0,), dtype=torch.float32,
+                       device=g.device) for g, want in zip(gates, wanted)]
     if do.numel() > 0:
         outs, rows = _pointers(branches, gates)
         programs, meta = _launch(do)
@@ -170,7 +173,8 @@ def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[T
             *(d_g + d_g[:3 - len(d_g)]), do.numel() // do.shape[-1], *(s for _, s in rows),
             GATE_GRADS=gate_grads, HAS_WIN=o_win is not None, SLC_GRAD=branch_grads[0],
             WIN_GRAD=branch_grads[1], **meta)
-    d_g = [x.to(g.dtype) for x, g in zip(d_g, gates)]
+    d_o = [x if want else sums for x, sums, want in zip(d_o, d_g, wanted)]
+    d_g = [x.to(g.dtype) if gate_grads else g.new_empty(0) for x, g in zip(d_g, gates)]
     if o_win is None:
         d_o.append(do.new_empty(0))
         d_g.append(do.new_empty(0))

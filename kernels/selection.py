@@ -60,9 +60,9 @@ from torch import Tensor
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
-from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, pow2, tma_descriptors,
-                                   tma_kv_reason, traced, unit_last_stride, unscaled_do_gate,
-                                   use_tma)
+from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, given_delta, launch, pow2,
+                                   tma_descriptors, tma_kv_reason, traced, unit_last_stride,
+                                   unscaled_do_gate, use_tma)
 from nsa_ops.reference import query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -940,9 +940,10 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, gate, dq, dq_add0, dq_add1, bid
                DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
                BN: tl.constexpr, NP: tl.constexpr, IS_VARLEN: tl.constexpr,
                HAS_DLSE: tl.constexpr, ADDS: tl.constexpr, TT: tl.constexpr,
-               PREC: tl.constexpr, HAS_GATE: tl.constexpr):
+               PREC: tl.constexpr, HAS_GATE: tl.constexpr, DELTA_DONE: tl.constexpr):
     """dq of one (token, group), plus the first ADDS of dq_add0, dq_add1 (gradients laid out
-    like dq); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass. HAS_GATE: dO is
+    like dq); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass, unless DELTA_DONE
+    (the caller gave every row's: O goes unread). HAS_GATE: dO is
     scaled by the rows' gates (`utils.unscaled_do_gate`). TT > 0 (fixed length): the dq pass
     over groups of TT queries (`_shared_dq_kernel`) ran, bidx holds its `_rest_rows`, and dq
     its share where it took any blocks (marked -3 in the row)."""
@@ -955,12 +956,15 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, gate, dq, dq_add0, dq_add1, bid
     row, kept, first_slot, n_walk, start, last, _ = _token_blocks(
         bidx, cu_q, cu_k, OFF, NSEQ, b, t, h, T, N, H, NP, IS_VARLEN, SEL, TT)
     passed = _pass_took(row, N, NP, TT)  # (and wrote the rows' delta)
-    mine = tl.where(passed, False, gmask)
     stat = (b * T + t) * (H * G) + heads
-    ot = _load_tile(o, b * so_b + t * so_t + heads * so_h, mine, DV, DVP)
-    dlt = _delta(dot_, ot, dlse, stat, mine, HAS_DLSE)
-    dlt += tl.load(delta + stat, mask=tl.where(passed, gmask, False), other=0.0)
-    tl.store(delta + stat, dlt, mask=mine)
+    if DELTA_DONE:
+        dlt = tl.load(delta + stat, mask=gmask, other=0.0)
+    else:
+        mine = tl.where(passed, False, gmask)
+        ot = _load_tile(o, b * so_b + t * so_t + heads * so_h, mine, DV, DVP)
+        dlt = _delta(dot_, ot, dlse, stat, mine, HAS_DLSE)
+        dlt += tl.load(delta + stat, mask=tl.where(passed, gmask, False), other=0.0)
+        tl.store(delta + stat, dlt, mask=mine)
     lse2 = _lse_log2(tl.load(lse + stat, mask=gmask, other=float("-inf")))
 
     acc = tl.zeros([GP, DKP], tl.float32)
@@ -1541,7 +1545,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                             shared: Optional[bool] = None,
                             stored_ds: Optional[bool] = None,
                             index: Optional[BackwardIndex] = None,
-                            do_gate: Optional[Tensor] = None
+                            do_gate: Optional[Tensor] = None,
+                            delta: Optional[Tensor] = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of (q, k, v); dlse (float32 [B,T,HQ]) may be None. dq_add: up
     to two gradients shaped like q that dq comes back summed with (the layer's other branches'
@@ -1554,7 +1559,8 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     so that the dS buffer fits its budget. index: the dK dV pass's inverse index as
     `backward_index` started it on the same inputs (None: built here, on a GPU on the side
     stream while the passes before dK dV run). do_gate ([B, T, HQ]): the gradients of do_gate *
-    do, from do (`utils.unscaled_do_gate`)."""
+    do, from do (`utils.unscaled_do_gate`). delta: rowsum(dO * O) where the caller has it
+    (`utils.given_delta`): no pass of its own, and no O read for it."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -1576,6 +1582,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     lse = lse.to(torch.float32)
     dlse = dlse.to(torch.float32) if dlse is not None else None
     gate = unscaled_do_gate(do_gate, dlse)
+    delta = given_delta(delta, dlse, do)
     bidx = block_idx.to(torch.int32).contiguous()
     queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
     stored, window = _ds_choice(q, n, sel_block, queries, stored_ds, index is not None)
@@ -1593,7 +1600,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
                     None if dlse is None else dlse[:, rows].contiguous(),
                     bidx[:, rows].contiguous(), sel_block, scale, queries.span(rows),
                     dq[:, rows], [x[:, rows] for x in adds], dk, dv, ds, shared, recipe, part,
-                    None if gate is None else gate[:, rows].contiguous())
+                    *(None if x is None else x[:, rows].contiguous() for x in (gate, delta)))
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -1601,12 +1608,14 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
                 dlse: Optional[Tensor], bidx: Tensor, sel_block: int, scale: float,
                 queries: _Queries, dq: Tensor, adds: list[Tensor], dk: Tensor, dv: Tensor,
                 ds: Optional[Tensor], shared: Optional[bool], recipe: _IndexRecipe,
-                index: Optional[BackwardIndex], gate: Optional[Tensor]) -> None:
+                index: Optional[BackwardIndex], gate: Optional[Tensor],
+                delta: Optional[Tensor]) -> None:
     """`selection_attention_bwd`'s passes for the queries of one window (q, o, lse, do, dlse,
     bidx, dq and adds cut to them; queries: their place among the keys): writes their dq and adds
     their share of dk / dv (fp32, every key of k) in place; ds: the dS buffer (None: dq is worked
     out from K and V again); index: this window's (None: built here); gate: the rows' gates of
-    an unscaled dO (`utils.unscaled_do_gate`, cut to the window)."""
+    an unscaled dO (`utils.unscaled_do_gate`, cut to the window); delta: the rows' delta
+    (`utils.given_delta`, cut to the window; None: worked out here)."""
     B, T, HQ, Dk = q.shape
     Tk, H, Dv = dk.shape[1], k.shape[2], v.shape[3]
     G, n = HQ // H, bidx.shape[3]
@@ -1616,9 +1625,12 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
     # the dK dV kernel's inverse index (some 60 small torch kernels) depends on block_idx alone:
     # on a GPU it is built on a side stream, from before the passes that precede dK dV
     fork = _fork(q.device) if index is None else None
-    # the dK dV pass reads delta: with stored dS it runs before dq, so delta gets a pass of its own
-    delta = row_delta(o, do, dlse) if stored else \
-        torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    # the dK dV pass reads delta: with stored dS it runs before dq, so delta gets a pass of its
+    # own, unless the caller gave it
+    delta_done = delta is not None or stored
+    if delta is None:
+        delta = row_delta(o, do, dlse) if stored else \
+            torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     bn = _key_tile_size("dq", sel_block, dkp, dvp)
     group = _shared_pass(shared, _shared_reason(queries.varlen, G, bn), G, bn, q.dtype)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do),
@@ -1646,7 +1658,7 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
         launch(_shared_dq_kernel)[(min(plan.numel(), _persistent_programs(q.device)),)](
             q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, gate_arg, dq, plan,
             plan_blocks, plan_len, off, B * H, *strides, T, scale, qk_scale, GPD=pow2(G),
-            TT=group, DELTA_DONE=stored, **constants, num_warps=num_warps,
+            TT=group, DELTA_DONE=delta_done, **constants, num_warps=num_warps,
             num_stages=num_stages)
     dq_adds = adds + [dq] * (2 - len(adds))
     if not stored:
@@ -1654,8 +1666,8 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
             q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, gate_arg, dq, *dq_adds,
             rows,
             *queries.kernel_args(bidx), *strides, T, n, scale, qk_scale, GP=pow2(G, 16),
-            IS_VARLEN=queries.varlen, ADDS=len(adds), TT=group, **constants,
-            **_per_token_launch("dq", q.dtype))
+            IS_VARLEN=queries.varlen, ADDS=len(adds), TT=group, DELTA_DONE=delta_done,
+            **constants, **_per_token_launch("dq", q.dtype))
 
     gp2 = pow2(G)
     bn, bm, warps, stages = _dkdv_config(q.dtype, sel_block, dkp, dvp, gp2)

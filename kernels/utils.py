@@ -135,3 +135,20 @@ def unscaled_do_gate(do_gate: Optional[Tensor], dlse: Optional[Tensor]) -> Optio
         raise ValueError("do_gate: a backward takes a gate for dO only without an lse gradient "
                          "(dlse must be None)")
     return do_gate.to(torch.float32).contiguous()
+
+
+def given_delta(delta: Optional[Tensor], dlse: Optional[Tensor], do: Tensor
+                ) -> Optional[Tensor]:
+    """An attention backward's rows' delta = rowsum(dO * O) (fp32, contiguous [B, T, HQ]) where
+    its caller has it already (nsa_attention's eager backward: the gate's backward sums dO * O
+    for its gate gradient anyway), so that the backward reads no O for it. An lse gradient
+    would belong in it: refused beside it, so that it is never subtracted twice or not at all."""
+    if delta is None:
+        return None
+    if dlse is not None:
+        raise ValueError("delta: give rowsum(dO * O) - dlse as delta, without dlse")
+    if tuple(delta.shape) != tuple(do.shape[:-1]):
+        raise ValueError(f"delta must be shaped like dO without its last dim "
+                         f"{tuple(do.shape[:-1])}, got {tuple(delta.shape)}")
+    return delta.to(torch.float32).contiguous()
+

@@ -32,9 +32,9 @@ from torch import Tensor
 from nsa_ops import routing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, pow2, row_bytes,
-                                   tma_descriptors, tma_kv_reason, tma_layout, unit_last_stride,
-                                   unscaled_do_gate, use_tma)
+from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, given_delta, launch, pow2,
+                                   row_bytes, tma_descriptors, tma_kv_reason, tma_layout,
+                                   unit_last_stride, unscaled_do_gate, use_tma)
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -286,10 +286,11 @@ def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, GATE, START, KEYPOS
                    DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    PRECISION: tl.constexpr, HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr,
-                   TMA: tl.constexpr, HAS_GATE: tl.constexpr):
+                   TMA: tl.constexpr, HAS_GATE: tl.constexpr, DELTA_GIVEN: tl.constexpr):
     """dQ of one row tile (tokens x the G heads of one KV head). It runs before the dK dV
     kernel and writes the rows' delta = rowsum(dO * O) - dlse for it: every row belongs to one
     program here, and dO is loaded anyway (a separate pass took 0.7 ms at 64k on an H100).
+    DELTA_GIVEN: the caller wrote DELTA (`utils.given_delta`), so O goes unread.
     TMA: K/V tiles through the descriptors KD, VD, as in `_fwd_kernel`. HAS_GATE: dO is the
     layer's, scaled by the rows' gates GATE (fp32): delta stays rowsum(dO * O), and dq takes the
     gate last (`utils.unscaled_do_gate`)."""
@@ -307,13 +308,16 @@ def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, GATE, START, KEYPOS
     q = tl.load(Q + _offsets(b, tok, head, sqb, sqt, sqh, dk_r), mask=q_mask, other=0.0)
     do_mask = ok[:, None] & (dv_r[None, :] < DV)
     do = tl.load(DO + _offsets(b, tok, head, sdob, sdot, sdoh, dv_r), mask=do_mask, other=0.0)
-    o = tl.load(O + _offsets(b, tok, head, sob, sot, soh, dv_r), mask=do_mask, other=0.0)
     row = (b.to(tl.int64) * T + tok) * (H * G) + head
     lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + row, mask=ok, other=0.0)
-    tl.store(DELTA + row, delta, mask=ok)
+    if DELTA_GIVEN:
+        delta = tl.load(DELTA + row, mask=ok, other=0.0)
+    else:
+        o = tl.load(O + _offsets(b, tok, head, sob, sot, soh, dv_r), mask=do_mask, other=0.0)
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + row, mask=ok, other=0.0)
+        tl.store(DELTA + row, delta, mask=ok)
 
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     lo, hi = _key_span(r0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N, VARLEN)
@@ -607,12 +611,14 @@ def _row_spans(keypos: Tensor, Tk: int, window: int, block_n: int) -> Tensor:
 
 
 def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens_k=None,
-                tma=None, do_gate=None):
+                tma=None, do_gate=None, delta=None):
     B, T, HQ, Dk = q.shape
     Tk, H = k.shape[1], k.shape[2]
     G = HQ // H
     lse = lse.to(torch.float32).contiguous()
-    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
+    given = given_delta(delta, dlse, do)
+    delta = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device) if given is None \
+        else given
     gate = unscaled_do_gate(do_gate, dlse)
     gate = delta if gate is None else gate  # unread without a gate
     dlse_arg = delta if dlse is None else dlse.to(torch.float32).contiguous()  # unread if absent
@@ -626,7 +632,7 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
         q, k, v, *kv, o, do, lse, dlse_arg, delta, gate, starts, keypos, dq,
         *_strides(q, k, v, o, do, dq), T, Tk, H, G, w, Tk - T, scale * _LOG2E, scale,
         HAS_DLSE=dlse is not None, VARLEN=varlen, TMA=dq_tma, HAS_GATE=do_gate is not None,
-        **meta)
+        DELTA_GIVEN=given is not None, **meta)
     meta, rows, dkdv_tma = _operands("dkdv", tma, q, k, v, do)
     spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"]) if varlen else delta
     launch(_bwd_dkdv_kernel)[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
@@ -864,7 +870,7 @@ def sliding_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: floa
 
 
 def _triton_extra(backend: str, cu_seqlens_k: Optional[Tensor], tma: Optional[bool],
-                  do_gate: Optional[Tensor] = None) -> dict:
+                  do_gate: Optional[Tensor] = None, delta: Optional[Tensor] = None) -> dict:
     """The keyword arguments a backend's call gets beyond the common ones."""
     extra = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
     if tma is not None:
@@ -876,6 +882,11 @@ def _triton_extra(backend: str, cu_seqlens_k: Optional[Tensor], tma: Optional[bo
         if backend != "triton":
             raise ValueError(f"do_gate: only the triton backend takes dO's gate, not {backend}")
         extra["do_gate"] = do_gate
+    if delta is not None:
+        if backend != "triton":
+            raise ValueError(f"delta: only the triton backend takes the rows' delta, not "
+                             f"{backend}")
+        extra["delta"] = delta
     return extra
 
 
@@ -885,11 +896,13 @@ def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
                        backend: Optional[str] = None, *,
                        cu_seqlens_k: Optional[Tensor] = None,
                        tma: Optional[bool] = None,
-                       do_gate: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                       do_gate: Optional[Tensor] = None,
+                       delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) in the dtypes of q, k, v; dS = P * (dP - rowsum(dO * O) + dlse). tma (the
     triton backend): the dQ kernel reads K/V and the dK dV kernel Q/dO through TMA descriptors
     (None: each where `_tma_loads` allows; True forces both). do_gate (the triton backend, [B,
-    T, HQ]): the gradients of do_gate * do, from do (`utils.unscaled_do_gate`)."""
+    T, HQ]): the gradients of do_gate * do, from do (`utils.unscaled_do_gate`). delta (the
+    triton backend): rowsum(dO * O) where the caller has it (`utils.given_delta`)."""
     _check_inputs(q, k, v, window, cu_seqlens)
     name = _backend_for(q, k, v, backend, cu_seqlens_k, backward=True)
     _, bwd = _BACKENDS[name]
@@ -897,4 +910,4 @@ def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o, do))
     return bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens,
-               **_triton_extra(name, cu_seqlens_k, tma, do_gate))
+               **_triton_extra(name, cu_seqlens_k, tma, do_gate, delta))

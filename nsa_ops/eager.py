@@ -145,8 +145,10 @@ class _Layer(torch.autograd.Function):
         # the gate's backward writes g * dO only for the branches whose kernels do not take the
         # gate (`Route.scales_do`): cuDNN's compressed backward, and FA-2's window; the Triton
         # window and selection backward take dO and their gate (do_gate), scaling P, so their
-        # [B, T, HQ, Dv] products are neither written nor held. The saved outputs stay until
-        # the node is done, where the ops' nodes free theirs one by one
+        # [B, T, HQ, Dv] products are neither written nor held, and as their delta the rows'
+        # rowsum(dO * o) that the gate's backward sums in the same pass (for the gate's
+        # gradient anyway), so that they read no o for it. The saved outputs stay until the node
+        # is done, where the ops' nodes free theirs one by one
         with routing.force(**ctx.forces):
             sel_route = ops.backward_route("selection_attention", q, k, v, cu_q, cu_k)
             win_route = ops.backward_route("sliding_window_attention", q, k, v, cu_q, cu_k) \
@@ -157,14 +159,17 @@ class _Layer(torch.autograd.Function):
                 do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_backward(
                     do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads,
                     branch_grads=(not slc_gated, not win_gated))
+            # a branch that takes the gate finds its delta in its slot
+            delta_slc, do_slc = (do_slc, do) if slc_gated else (None, do_slc)
+            delta_win, do_win = (do_win, do) if win_gated else (None, do_win)
             dq_parts = []
             if plan.window:
                 with _named("sliding_window_attention_backward"):
                     dq_win, dk_win, dv_win = ops.window_backward(
-                        q, k, v, o_win, lse_win, do if win_gated else do_win, None, plan.window,
-                        plan.scale, cu_q, cu_k, do_gate=g_win if win_gated else None,
-                        route=win_route)
-                del do_win
+                        q, k, v, o_win, lse_win, do_win, None, plan.window, plan.scale, cu_q,
+                        cu_k, do_gate=g_win if win_gated else None, route=win_route,
+                        delta=delta_win)
+                del do_win, delta_win
                 dq_parts.append(dq_win)
             # the selection backward's index (some 60 small kernels) on a side stream, built while
             # the compressed backward runs; started after the gate and window backward are
@@ -181,10 +186,10 @@ class _Layer(torch.autograd.Function):
             # last, so that its dq kernel sums the other branches' dq as it writes its own
             with _named("selection_attention_backward"):
                 dq, dk, dv = ops.selection_backward_adding(
-                    tuple(dq_parts), q, k, v, o_slc, lse_slc, do if slc_gated else do_slc, None,
-                    block_idx, plan.sel_block, plan.scale, cu_q, cu_k, routed,
-                    do_gate=g_slc if slc_gated else None)
-            del do_slc
+                    tuple(dq_parts), q, k, v, o_slc, lse_slc, do_slc, None, block_idx,
+                    plan.sel_block, plan.scale, cu_q, cu_k, routed,
+                    do_gate=g_slc if slc_gated else None, delta=delta_slc)
+            del do_slc, delta_slc
             if plan.window:
                 dk += dk_win
                 dv += dv_win

@@ -297,12 +297,13 @@ def selection_backward_adding(dq_add: tuple[Tensor, ...], q: Tensor, k: Tensor, 
                               cu_seqlens: Optional[Tensor] = None,
                               cu_seqlens_k: Optional[Tensor] = None,
                               routed: Optional[SelectionBackward] = None,
-                              do_gate: Optional[Tensor] = None
+                              do_gate: Optional[Tensor] = None,
+                              delta: Optional[Tensor] = None
                               ) -> tuple[Tensor, Tensor, Tensor]:
     """selection_attention_backward's body, its dq summed with the gradients dq_add (shaped
     like q): inside the backward where the route takes them (`Route.adds_dq`), else after.
-    routed: `selection_backward_index`'s, for the same inputs (None: routed here). do_gate: as
-    `window_backward`'s."""
+    routed: `selection_backward_index`'s, for the same inputs (None: routed here). do_gate,
+    delta: as `window_backward`'s."""
     kw, offset = _keys(q, k.shape[1], cu_seqlens_k)
     if routed is None:
         routed = SelectionBackward(
@@ -312,7 +313,7 @@ def selection_backward_adding(dq_add: tuple[Tensor, ...], q: Tensor, k: Tensor, 
         kw["dq_add"] = dq_add
     if routed.index is not None:
         kw["index"] = routed.index
-    do = _gated_do(route, do, do_gate, o, kw)
+    do = _gated_do(route, do, do_gate, delta, o, kw)
     dq, dk, dv = _call(route.backward, route, q, k, v, o, lse, do, dlse, block_idx, sel_block,
                        scale, cu_seqlens, **kw)
     if not route.adds_dq:
@@ -384,29 +385,37 @@ def window_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do:
                     dlse: Optional[Tensor], window: int, scale: float,
                     cu_seqlens: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                     do_gate: Optional[Tensor] = None,
-                    route: Optional[routing.Route] = None) -> tuple[Tensor, Tensor, Tensor]:
+                    route: Optional[routing.Route] = None,
+                    delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """sliding_window_attention_backward's body (route: `backward_route`'s, already routed);
     do_gate ([B, T, HQ]): the gradients of do_gate * do, for a route whose kernels take the
-    gate (`Route.scales_do`)."""
+    gate (`Route.scales_do`); delta (with do_gate): the rows' rowsum(dO * o), fp32 [B, T, HQ],
+    which the gate's backward summed (`gate_backward`), so that the kernels read no o for it."""
     kw, _ = _keys(q, k.shape[1], cu_seqlens_k)
     if route is None:
         route = backward_route("sliding_window_attention", q, k, v, cu_seqlens, cu_seqlens_k)
-    do = _gated_do(route, do, do_gate, o, kw)
+    do = _gated_do(route, do, do_gate, delta, o, kw)
     return _call(route.backward, route, q, k, v, o, lse, do, dlse, window, scale, cu_seqlens,
                  **kw)
 
 
-def _gated_do(route: routing.Route, do: Tensor, do_gate: Optional[Tensor], o: Tensor,
-              kw: dict) -> Tensor:
-    """do for a backward of do_gate * do, with do_gate in kw: in the branch's dtype (the layer's
-    dO is wider where its gates are). Routes whose kernels take no gate (`Route.scales_do`) get
-    g * dO from the gate's backward instead (nsa_ops.eager asks `backward_route` first)."""
+def _gated_do(route: routing.Route, do: Tensor, do_gate: Optional[Tensor],
+              delta: Optional[Tensor], o: Tensor, kw: dict) -> Tensor:
+    """do for a backward of do_gate * do, with do_gate (and delta, where given) in kw: in the
+    branch's dtype (the layer's dO is wider where its gates are). Routes whose kernels take no
+    gate (`Route.scales_do`) get g * dO from the gate's backward instead (nsa_ops.eager asks
+    `backward_route` first)."""
     if do_gate is None:
+        if delta is not None:
+            raise ValueError("delta: given only with do_gate (the rows' rowsum(dO * o) of the "
+                             "unscaled dO)")
         return do
     if not route.scales_do:
         raise ValueError(f"do_gate: the {route.impl} backward of nsa.{route.op} takes no gate "
                          f"for dO (Route.scales_do); pass do_gate * do as do")
     kw["do_gate"] = do_gate
+    if delta is not None:
+        kw["delta"] = delta
     return do.to(o.dtype)
 
 
@@ -485,9 +494,10 @@ def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optio
 def gate_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
                   g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool,
                   branch_grads: tuple[bool, bool] = (True, True)) -> tuple[Tensor, ...]:
-    """gate_combine_backward's body; branch_grads (selection, window) False: that branch's
-    gradient g * dO comes back empty (nsa_attention's eager backward, whose branch backward
-    takes dO and the gate instead: `selection_backward_adding`'s do_gate)."""
+    """gate_combine_backward's body; branch_grads (selection, window) False: that branch's slot
+    holds its rows' rowsum(dO * o), fp32 [B, T, HQ], in place of g * dO (nsa_attention's eager
+    backward, whose branch backward takes dO and the gate instead, and these sums as its delta:
+    `selection_backward_adding`'s do_gate and delta)."""
     route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, backward=True)
     return _call(route.backward, route, do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads,
                  branch_grads=tuple(branch_grads))

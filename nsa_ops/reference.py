@@ -528,9 +528,11 @@ def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optio
                           gate_grads: bool, branch_grads: tuple[bool, bool] = (True, True)
                           ) -> tuple[Tensor, ...]:
     """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win) in the inputs' dtypes; an absent
-    window branch's grads, the gate grads unless gate_grads (a caller whose gates need no grad
-    skips reading the branch outputs), and d_o_slc / d_o_win where branch_grads (selection,
-    window) says False are empty [0] tensors."""
+    window branch's grads and the gate grads unless gate_grads (a caller whose gates need no
+    grad skips reading the branch outputs) are empty [0] tensors. Where branch_grads
+    (selection, window) says False, that branch's slot holds its rows' rowsum(dO * o) ([B, T,
+    HQ], fp32 or float64) in place of g * dO: the delta of a backward that takes dO and the
+    gate."""
     d_o, d_g = [], []
     for o, g, want in ((o_cmp, g_cmp, True), (o_slc, g_slc, branch_grads[0]),
                        (o_win, g_win, branch_grads[1])):
@@ -538,7 +540,9 @@ def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optio
             d_o.append(do.new_empty(0))
             d_g.append(do.new_empty(0))
             continue
-        d_o.append((g.unsqueeze(-1) * do).to(o.dtype) if want else o.new_empty(0))
+        acc = compute_dtype(torch.promote_types(do.dtype, o.dtype))
+        sums = (do.to(acc) * o.to(acc)).sum(-1)
+        d_o.append((g.unsqueeze(-1) * do).to(o.dtype) if want else sums)
         d_g.append((do * o).sum(-1).to(g.dtype) if gate_grads else g.new_empty(0))
     return (*d_o, *d_g)
 

@@ -538,7 +538,8 @@ class Route:
     # (nsa_ops.eager's layer runs it instead of the forward and the gate_combine op)
     gated: Optional[str] = None
     # the backward takes do_gate=: the gradients of do_gate * do from do itself (nsa_ops.eager's
-    # layer, whose gate backward then need not write that product for the branch)
+    # layer, whose gate backward then need not write that product for the branch), and beside
+    # it delta=, the rows' rowsum(dO * o), which that gate backward sums for the branch
     scales_do: bool = False
 
 

@@ -1,6 +1,8 @@
 """nsa_attention's eager path (nsa_ops.eager, one autograd node over the ops' bodies) against the
 same call through the torch.ops.nsa ops (NSA_OPS_EAGER_LAYER=0): the same outputs, gradients
 and selections, and the ops wherever the one node could be told apart from them."""
+import collections
+
 import pytest
 import torch
 
@@ -132,14 +134,19 @@ def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
     the selection and window backward take dO and their gate where their route does
     (`Route.scales_do`: the Triton kernels scale P), the reference window gets the product from
     the gate's backward: the same gradients as through the ops, with packed sequences and
-    queries at an offset too; a gate for a route that takes none is refused by name."""
+    queries at an offset too; the gated branches get the gate backward's row sums as their
+    delta; a gate for a route that takes none is refused by name."""
     pytest.importorskip("triton")
     from nsa_ops import ops
-    calls = []
+    calls, deltas = [], []
     backward = ops.gate_backward
     monkeypatch.setattr(ops, "gate_backward",
                         lambda *a, **kw: calls.append(kw.get("branch_grads"))
                         or backward(*a, **kw))
+    for name in ("window_backward", "selection_backward_adding"):
+        branch = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, branch=branch, name=name, **kw: deltas.append(
+            (name, kw.get("delta") is not None)) or branch(*a, **kw))
     with routing.force(selection_attention="triton", sliding_window_attention=window_impl):
         for case in (CASES[0], CASES[2], CASES[3], CASES[4]):
             _, grads, _ = _layer(monkeypatch, True, *case)
@@ -148,6 +155,13 @@ def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
             _assert_grads_match(grads, grads_ops, atol=1e-5, rtol=1e-4)
     # the layer's (selection, window), then the gate op's
     assert calls == [(False, window_impl != "triton"), None] * 4
+    # the layer's branches that take the gate take the gate backward's row sums as their
+    # delta; the ops' backward (the comparison) takes none
+    gated_window = window_impl == "triton"
+    assert collections.Counter(deltas) == collections.Counter(
+        {("selection_backward_adding", True): 4, ("selection_backward_adding", False): 4,
+         ("window_backward", True): 4 * gated_window,
+         ("window_backward", False): 8 - 4 * gated_window})
     q, k, v = qkv(1, 64, 4, 2, 16, 16)
     gate = gates(1, 64, 4)[0]
     with routing.force(sliding_window_attention="reference"), \

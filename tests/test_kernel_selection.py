@@ -500,7 +500,8 @@ def test_selection_backward_do_gate(case, stored_ds, shared, window, lengths, mo
     """do_gate (nsa_attention's eager backward): the gradients of do_gate * do from do, the
     kernels scaling P (dK dV, so the dS stored too) and dq rows (the walk and dq's shared pass,
     which takes groups sharing 2 blocks here), over query windows and packed sequences, against
-    the reference given the product; gates of either sign; an lse gradient beside it refused."""
+    the reference given the product, also with the rows' delta given in place of o; gates of
+    either sign; an lse gradient beside either refused."""
     monkeypatch.setattr(sel_kernels, "SHARED_DQ_MIN", 2)
     B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run, drop = case
     cu = None
@@ -528,9 +529,20 @@ def test_selection_backward_do_gate(case, stored_ds, shared, window, lengths, mo
         block_idx, sel_block, scale, cu)
     for name, grad, expected in zip(("dq", "dk", "dv"), grads, grads_ref):
         assert_close(name, grad, expected, dtype)
+    # with the rows' delta given (the layer's gate backward sums it), o goes unread: NaN there
+    # leaves the same gradients
+    delta = (do.float() * o.float()).sum(-1)
+    given = selection_attention_bwd(q, k, v, torch.full_like(o, float("nan")), lse, do, None,
+                                    block_idx, sel_block, scale, cu, shared=shared,
+                                    stored_ds=stored_ds, do_gate=gate, delta=delta)
+    for name, grad, expected in zip(("dq", "dk", "dv"), given, grads_ref):
+        assert_close(name, grad, expected, dtype)
     with pytest.raises(ValueError, match="do_gate: a backward takes a gate for dO only"):
         selection_attention_bwd(q, k, v, o, lse, do, torch.zeros_like(lse), block_idx, sel_block,
                                 scale, cu, do_gate=gate)
+    with pytest.raises(ValueError, match="delta: give rowsum"):
+        selection_attention_bwd(q, k, v, o, lse, do, torch.zeros_like(lse), block_idx, sel_block,
+                                scale, cu, delta=delta)
 
 
 @pytest.mark.parametrize("tma,shared", [(False, False), (True, False), (True, True)])
@@ -698,6 +710,28 @@ def test_selection_gated_forward_gpu(dtype, window, keep):
     assert torch.equal(o_slc, alone) if keep else o_slc is None
     want = gate_combine_fwd(o_cmp, alone, o_win, g_cmp, g_slc, g_win)
     assert o.dtype == dtype and rel_err(o, want) < GPU_TOL[dtype] / 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stored_ds", [False, True])
+def test_selection_backward_given_delta_gpu(stored_ds):
+    """The backward with do_gate and the rows' delta given (nsa_attention's eager backward) on
+    the GPU's own path at 4k, spec geometry: o unread (NaN there), and the gradients of the
+    backward that works delta out itself, within fp32 summation order."""
+    q, k, v = make_qkv(1, 4096, 4, 16, 128, 128, torch.bfloat16, device="cuda")
+    block_idx = spec_block_idx(q, k, 64, 16, 128 ** -0.5)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    do = torch.randn(q.shape, generator=gen, device="cuda").to(torch.bfloat16)
+    gate = torch.rand(q.shape[:3], generator=gen, device="cuda").to(torch.bfloat16)
+    o, lse = selection_attention_fwd(q, k, v, block_idx, 64, 128 ** -0.5)
+    want = selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, 64, 128 ** -0.5,
+                                   stored_ds=stored_ds, do_gate=gate)
+    delta = (do.float() * o.float()).sum(-1)
+    got = selection_attention_bwd(q, k, v, torch.full_like(o, float("nan")), lse, do, None,
+                                  block_idx, 64, 128 ** -0.5, stored_ds=stored_ds, do_gate=gate,
+                                  delta=delta)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert rel_err(a, b) < 1e-3, name
 
 
 @pytest.mark.gpu

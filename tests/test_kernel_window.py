@@ -211,8 +211,9 @@ def test_triton_backward_do_gate(B, Tq, Tk, G, w, lengths, tma, keys_as_rows, dt
                                  poisoned_empty):
     """do_gate (nsa_attention's eager backward): the gradients of do_gate * do from do, the
     kernels scaling P (both forms of the dK dV kernel, pointer and TMA row loads), against the
-    reference given the product; an lse gradient beside it is refused by name; other backends
-    refuse it."""
+    reference given the product, also with the rows' delta given in place of o; an lse gradient
+    beside either is refused by name, as a delta of the wrong shape; other backends refuse
+    both."""
     tile = dataclasses.replace(win._INTERPRETER_TILES, keys_as_rows=keys_as_rows)
     monkeypatch.setattr(win, "_INTERPRETER_TILES", tile)
     q, k, v, do, dlse = _inputs(B, Tk, H, G, 16, 16, dtype, seed=Tk + 7 * G)
@@ -226,6 +227,21 @@ def test_triton_backward_do_gate(B, Tq, Tk, G, w, lengths, tma, keys_as_rows, dt
     gated = gate.double().unsqueeze(-1) * do.double()
     refs = _reference(q, k, v, gated, None, w, scale, cu, torch.float64)
     _check_close((o, lse, *grads), refs, dtype)
+    # with the rows' delta given (the layer's gate backward sums it), o goes unread: NaN there
+    # leaves the same gradients
+    delta = (do.float() * o.float()).sum(-1)
+    given = win.sliding_window_bwd(q, k, v, torch.full_like(o, float("nan")), lse, do, None, w,
+                                   scale, cu, backend="triton", tma=tma, do_gate=gate,
+                                   delta=delta)
+    _check_close((o, lse, *given), refs, dtype)
+    with pytest.raises(ValueError, match="delta: give rowsum"):
+        win.sliding_window_bwd(q, k, v, o, lse, do, dlse, w, scale, cu, backend="triton",
+                               delta=delta)
+    with pytest.raises(ValueError, match="delta must be shaped like dO"):
+        win.sliding_window_bwd(q, k, v, o, lse, do, None, w, scale, cu, backend="triton",
+                               delta=delta[:, 1:])
+    with pytest.raises(ValueError, match="delta: only the triton backend"):
+        win._triton_extra("aten_fa2", None, None, None, delta)
     with pytest.raises(ValueError, match="do_gate: a backward takes a gate for dO only"):
         win.sliding_window_bwd(q, k, v, o, lse, do, dlse, w, scale, cu, backend="triton",
                                do_gate=gate)
