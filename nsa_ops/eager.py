@@ -21,7 +21,10 @@ hands the window and selection backward dO and their gate where their routes tak
 g * dO only for the others (cuDNN's compressed backward, FA-2's window): on sm90 two [B, T,
 HQ, Dv] products neither written nor held (H100, three
 rounds in alternating processes: the step's peak at 64k 16.16 -> 15.16 GiB, 16k 4.99 -> 4.74,
-8k 2.35 -> 2.23; 64k step 104.6-105.7 -> 104.3-104.5 ms, 8k and 16k within the spread). The one node
+8k 2.35 -> 2.23; 64k step 104.6-105.7 -> 104.3-104.5 ms, 8k and 16k within the spread). Their
+delta, rowsum(dO * o), comes from the gate's backward too, which sums it for the gate's gradient
+anyway: no delta pass of the selection's, no o read in the window's dQ kernel (8k step with gate
+grads 8.66-8.68 -> 8.53-8.54 ms, 64k 105.21-105.42 -> 104.45-104.95). The one node
 itself, H100, spec geometry, forward+backward from an idle GPU against NSA_OPS_EAGER_LAYER=0,
 two readings each in one run: 8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k 23.20 / 23.26 -> 22.14 /
 22.04, 64k 117.45 / 117.57 -> 115.71 / 116.72 (before the early index, `c6fc1e7`). The cost is
