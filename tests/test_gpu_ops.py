@@ -52,6 +52,31 @@ def test_nsa_attention_cuda_matches_reference(T, HQ, H, Dk, Dv, lengths, window,
         assert rel_err(ours, theirs) < 2 * REL[dtype]
 
 
+def test_nsa_attention_cuda_fp32_gates():
+    """fp32 gates needing grads over bf16 branches (a gate projection kept in fp32): the layer's
+    output and dO are fp32, the window and selection kernels get dO in the branches' dtype, their
+    gate and the gate backward's row sums as delta; output, q/k/v and gate grads against the
+    float32 reference on the same selection."""
+    T, HQ, H, D = 4096, 64, 4, 128
+    q, k, v = qkv(1, T, HQ, H, D, D, torch.bfloat16, seed=T + 1, requires_grad=True,
+                  device="cuda")
+    g = [x.cuda().requires_grad_() for x in gates(1, T, HQ, torch.float32)]
+    o = nsa_ops.nsa_attention(q, k, v, *g)
+    assert o.dtype == torch.float32
+    do = torch.randn_like(o)
+    o.backward(do)
+    k_cmp, v_cmp = (R.compress_mean(x.detach(), 32, 16) for x in (k, v))
+    _, lse = torch.ops.nsa.compressed_attention(q.detach(), k_cmp, v_cmp, 32, 16, D ** -0.5)
+    idx = torch.ops.nsa.select_blocks(q.detach(), k_cmp, lse, 32, 16, 64, 16, D ** -0.5)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v, *g)]
+    with torch.enable_grad():
+        ref = R.nsa(*leaves, block_idx=idx)
+        ref.backward(do)
+    assert rel_err(o, ref) < REL[torch.bfloat16]
+    for ours, theirs in zip((q, k, v, *g), leaves):
+        assert rel_err(ours.grad, theirs.grad) < 2 * REL[torch.bfloat16]
+
+
 def test_matches_fla_naive_nsa():
     fla_naive = pytest.importorskip("fla.ops.nsa.naive")
     T, HQ, H, D = 300, 16, 1, 64
