@@ -540,9 +540,11 @@ def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optio
             d_o.append(do.new_empty(0))
             d_g.append(do.new_empty(0))
             continue
-        acc = compute_dtype(torch.promote_types(do.dtype, o.dtype))
-        sums = (do.to(acc) * o.to(acc)).sum(-1)
-        d_o.append((g.unsqueeze(-1) * do).to(o.dtype) if want else sums)
+        if want:
+            d_o.append((g.unsqueeze(-1) * do).to(o.dtype))
+        else:
+            acc = compute_dtype(torch.promote_types(do.dtype, o.dtype))
+            d_o.append((do.to(acc) * o.to(acc)).sum(-1))
         d_g.append((do * o).sum(-1).to(g.dtype) if gate_grads else g.new_empty(0))
     return (*d_o, *d_g)
 
