@@ -23,8 +23,9 @@ from torch import Tensor
 
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
-from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, launch, launch_options, pow2,
-                                   row_bytes, unit_last_stride)
+from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, given_delta, launch,
+                                   launch_options, pow2, row_bytes, unit_last_stride,
+                                   unscaled_do_gate)
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
 LOG2E = 1.4426950408889634
@@ -191,13 +192,15 @@ def _dq_step(q, do, lse2, delta, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, dq, qk
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEQ, POS, CMP_CU,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, SEQ, POS, CMP_CU,
                sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sdb, sdt, sdh, sgb, sgt, sgh,
                T, NC, H, G, HQ, scale, qk_scale,
                L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
                G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, HAS_GATE: tl.constexpr):
+    """dq of TOK tokens x the G heads of one KV head. HAS_GATE: dO is the layer's, scaled by
+    the rows' gates GATE (fp32), which dq takes last (`utils.unscaled_do_gate`)."""
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -224,6 +227,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEQ, POS, CMP_CU,
         dq = _dq_step(q, do, lse2, delta, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, dq, qk_scale,
                       DK, DV, DK_PAD, DV_PAD, BLOCK_N, True, PREC)
 
+    if HAS_GATE:
+        dq *= _row_stats(GATE + b * T * HQ, tok, hq, HQ, valid)[:, None]
     d = tl.arange(0, DK_PAD)
     offs = b * sgb + tok.to(tl.int64)[:, None] * sgt + hq[:, None] * sgh + d[None, :]
     tl.store(DQ + offs, (dq * scale).to(DQ.dtype.element_ty),
@@ -247,12 +252,12 @@ def _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, VSTART, L: tl.constexpr, STRIDE: 
 
 
 @triton.jit
-def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, sqt, sqh, sdt, sdh,
+def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, GATE, sqt, sqh, sdt, sdh,
                kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU,
                L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
                G_PAD: tl.constexpr, MASKED: tl.constexpr, VARLEN: tl.constexpr,
-               PREC: tl.constexpr):
+               PREC: tl.constexpr, HAS_GATE: tl.constexpr):
     tok, head, valid = _query_rows(t0, T, G, TOK, G_PAD)
     hq = kvh * G + head
     q = _load_rows(Q, tok, hq, sqt, sqh, DK, DK_PAD, valid)
@@ -267,6 +272,8 @@ def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, sqt, sqh, sdt, sdh,
         lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
         vis = (c[:, None] >= lo[None, :]) & (c[:, None] < hi[None, :]) & valid[None, :]
         p = tl.where(vis, p, 0.0)
+    if HAS_GATE:  # dO unscaled: P takes the rows' gates (`utils.unscaled_do_gate`)
+        p = p * _row_stats(GATE, tok, hq, HQ, valid)[None, :]
     dv += tl.dot(p.to(do.dtype), do, input_precision=PREC)
     dp = tl.dot(v, tl.trans(do), input_precision=PREC)
     ds = p * (dp - delta[None, :])
@@ -275,17 +282,18 @@ def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, sqt, sqh, sdt, sdh,
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ, KIDX, CU, VSTART,
-                 SYNC, sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sdb, sdt, sdh,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ, KIDX, CU,
+                 VSTART, SYNC, sqb, sqt, sqh, skb, skn, skh, svb, svn, svh, sdb, sdt, sdh,
                  sgkb, sgkn, sgkh, sgvb, sgvn, sgvh,
                  T, NC, H, G, HQ, scale, qk_scale, KEY_TILES,
                  L: tl.constexpr, STRIDE: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                  DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, TOK: tl.constexpr,
                  G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-                 PREC: tl.constexpr, NSPLIT: tl.constexpr, ORDERED: tl.constexpr):
+                 PREC: tl.constexpr, NSPLIT: tl.constexpr, ORDERED: tl.constexpr,
+                 HAS_GATE: tl.constexpr):
     """dk/dv of one key tile from one split of the tokens viewing it. ORDERED (the deterministic
     mode, kernels/ordered.py): a 1-D grid of tickets, split fastest, and the splits of a key tile
-    add in split order instead of atomically."""
+    add in split order instead of atomically. HAS_GATE: as `_dq_kernel`'s; P takes the gates."""
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -322,21 +330,21 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT, SEQ, POS, CMP_CU, KSEQ
     s_hi = tl.minimum(s_lo + share, q_end)
 
     qp, dop = Q + b * sqb, DO + b * sdb
-    lsep, deltap = LSE + b * T * HQ, DELTA + b * T * HQ
+    lsep, deltap, gatep = LSE + b * T * HQ, DELTA + b * T * HQ, GATE + b * T * HQ
     dk = tl.zeros([BLOCK_N, DK_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, DV_PAD], tl.float32)
     for t0 in range(s_lo, tl.minimum(mid_lo, s_hi), TOK):
-        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
-                            kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
-                            DK_PAD, DV_PAD, TOK, G_PAD, True, VARLEN, PREC)
+        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, gatep, sqt, sqh, sdt,
+                            sdh, kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
+                            DK_PAD, DV_PAD, TOK, G_PAD, True, VARLEN, PREC, HAS_GATE)
     for t0 in range(tl.maximum(mid_lo, s_lo), tl.minimum(mid_hi, s_hi), TOK):
-        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
-                            kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
-                            DK_PAD, DV_PAD, TOK, G_PAD, False, VARLEN, PREC)
+        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, gatep, sqt, sqh, sdt,
+                            sdh, kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
+                            DK_PAD, DV_PAD, TOK, G_PAD, False, VARLEN, PREC, HAS_GATE)
     for t0 in range(tl.maximum(mid_hi, s_lo), s_hi, TOK):
-        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, sqt, sqh, sdt, sdh,
-                            kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
-                            DK_PAD, DV_PAD, TOK, G_PAD, True, VARLEN, PREC)
+        dk, dv = _dkdv_step(k, v, dk, dv, c, t0, qp, dop, lsep, deltap, gatep, sqt, sqh, sdt,
+                            sdh, kvh, T, NC, G, HQ, qk_scale, SEQ, POS, CMP_CU, L, STRIDE, DK, DV,
+                            DK_PAD, DV_PAD, TOK, G_PAD, True, VARLEN, PREC, HAS_GATE)
 
     dk_offs = b * sgkb + kvh * sgkh + c[:, None] * sgkn + tl.arange(0, DK_PAD)[None, :]
     dv_offs = b * sgvb + kvh * sgvh + c[:, None] * sgvn + tl.arange(0, DV_PAD)[None, :]
@@ -898,9 +906,13 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
                              block_stride: int, scale: float,
                              cu_seqlens: Optional[Tensor] = None, *,
                              seqlen_k: Optional[int] = None,
-                             cu_seqlens_k: Optional[Tensor] = None
+                             cu_seqlens_k: Optional[Tensor] = None,
+                             do_gate: Optional[Tensor] = None,
+                             delta: Optional[Tensor] = None
                              ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of compressed_attention_fwd: dS = P * (dO v^T - rowsum(dO * O) + dlse)."""
+    """Gradients of compressed_attention_fwd: dS = P * (dO v^T - rowsum(dO * O) + dlse).
+    do_gate ([B, T, HQ]): the gradients of do_gate * do, from do (`utils.unscaled_do_gate`);
+    delta: rowsum(dO * O) where the caller has it (`utils.given_delta`): no pass of its own."""
     B, T, HQ, H, G, NC, DK, DV = _dims(q, k_cmp, v_cmp)
     _check(block_len, block_stride, cu_seqlens, B)
     q, k_cmp, v_cmp, o, do = (unit_last_stride(x) for x in (q, k_cmp, v_cmp, o, do))
@@ -909,7 +921,10 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k_cmp, v_cmp))
     if B * T * HQ == 0:
         return dq, dk.zero_(), dv.zero_()
-    delta = row_delta(o, do, dlse)
+    gate = unscaled_do_gate(do_gate, dlse)
+    given = given_delta(delta, dlse, do)
+    delta = row_delta(o, do, dlse) if given is None else given
+    gate_arg = delta if gate is None else gate  # unread without a gate
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device, with_keys=True,
                   seqlen_k=seqlen_k, cu_seqlens_k=cu_seqlens_k)
     common = dict(L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK),
@@ -917,11 +932,11 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     tier = _tier(q.dtype, DK, DV)
     cfg = _attn_cfg("dq", G, tier, NC)
     launch(_dq_kernel)[(triton.cdiv(T, cfg.tok), B * H)](
-        q, k_cmp, v_cmp, do, lse, delta, dq, lay.seq, lay.pos, lay.cmp_cu,
+        q, k_cmp, v_cmp, do, lse, delta, gate_arg, dq, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
         *_s(dq, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
         TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **common)
+        num_stages=cfg.num_stages, HAS_GATE=gate is not None, **common)
     if NC > 0:
         cfg = _attn_cfg("dkdv", G, tier, NC)
         key_tiles = triton.cdiv(NC, cfg.block_n)
@@ -935,13 +950,14 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
         ordered_adds = nsplit > 1 and torch.are_deterministic_algorithms_enabled()
         sync = ordered.sync_buffer(key_tiles * B * H * nsplit, q.device) if ordered_adds else dk
         launch(_dkdv_kernel)[(key_tiles * B * H * nsplit,) if ordered_adds else grid](
-            q, k_cmp, v_cmp, do, lse, delta, dk_acc, dv_acc, lay.seq, lay.pos, lay.cmp_cu,
+            q, k_cmp, v_cmp, do, lse, delta, gate_arg, dk_acc, dv_acc, lay.seq, lay.pos,
+            lay.cmp_cu,
             lay.key_seq, lay.key_idx, lay.cu, lay.view_start, sync,
             *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
             *_s(dk_acc, 0, 1, 2), *_s(dv_acc, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
             key_tiles, TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, NSPLIT=nsplit,
-            ORDERED=ordered_adds, **common)
+            ORDERED=ordered_adds, HAS_GATE=gate is not None, **common)
         if nsplit > 1:
             dk.copy_(dk_acc)
             dv.copy_(dv_acc)

@@ -72,19 +72,20 @@ def _fwd_kernel(OC, OS, OW, GC, GS, GW, O, R, sgc, sgs, sgw,
 @triton.jit
 def _bwd_kernel(DO, OC, OS, OW, GC, GS, GW, DOC, DOS, DOW, DGC, DGS, DGW, R, sgc, sgs, sgw,
                 DV: tl.constexpr, DVP: tl.constexpr, BLOCK_R: tl.constexpr,
-                GATE_GRADS: tl.constexpr, HAS_WIN: tl.constexpr, SLC_GRAD: tl.constexpr,
-                WIN_GRAD: tl.constexpr):
+                GATE_GRADS: tl.constexpr, HAS_WIN: tl.constexpr, CMP_GRAD: tl.constexpr,
+                SLC_GRAD: tl.constexpr, WIN_GRAD: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     do = _tile(DO, rows, rmask, DV, DVP)
-    _store(DOC, rows, rmask, _gate(GC, rows, rmask, sgc)[:, None] * do, DV, DVP)
+    if CMP_GRAD:
+        _store(DOC, rows, rmask, _gate(GC, rows, rmask, sgc)[:, None] * do, DV, DVP)
     if SLC_GRAD:
         _store(DOS, rows, rmask, _gate(GS, rows, rmask, sgs)[:, None] * do, DV, DVP)
     if HAS_WIN and WIN_GRAD:
         _store(DOW, rows, rmask, _gate(GW, rows, rmask, sgw)[:, None] * do, DV, DVP)
     # a branch that takes dO and its gate gets its rows' sums (its delta) whether or not the
     # gates need grads
-    if GATE_GRADS:
+    if GATE_GRADS or not CMP_GRAD:
         tl.store(DGC + rows, tl.sum(do * _tile(OC, rows, rmask, DV, DVP), axis=1), mask=rmask)
     if GATE_GRADS or not SLC_GRAD:
         tl.store(DGS + rows, tl.sum(do * _tile(OS, rows, rmask, DV, DVP), axis=1), mask=rmask)
@@ -152,15 +153,15 @@ def gate_combine_fwd(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cm
 
 def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
                      g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool,
-                     branch_grads: tuple[bool, bool] = (True, True)
+                     branch_grads: tuple[bool, bool, bool] = (True, True, True)
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win); an absent window branch's grads
-    and, unless gate_grads, the gate grads are empty [0] tensors. Where branch_grads (selection,
-    window) says False, that branch's slot holds instead its rows' rowsum(dO * o) (fp32 [B, T,
-    HQ]): nsa_attention's eager backward hands that branch's kernels dO and the gate
-    (`Route.scales_do`), and these sums as their delta."""
+    and, unless gate_grads, the gate grads are empty [0] tensors. Where branch_grads
+    (compressed, selection, window) says False, that branch's slot holds instead its rows'
+    rowsum(dO * o) (fp32 [B, T, HQ]): nsa_attention's eager backward hands that branch's kernels
+    dO and the gate (`Route.scales_do`), and these sums as their delta."""
     branches, gates = _present(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win)
-    wanted = (True, *branch_grads)
+    wanted = tuple(branch_grads)
     d_o = [torch.empty(x.shape if want else (0,), dtype=x.dtype, device=x.device)
            for x, want in zip(branches, wanted)]
     d_g = [torch.empty(g.shape if gate_grads or not want else (0,), dtype=torch.float32,
@@ -171,8 +172,8 @@ def gate_combine_bwd(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[T
         launch(_bwd_kernel)[(programs,)](
             do.contiguous(), *outs, *(g for g, _ in rows), *(d_o + d_o[:3 - len(d_o)]),
             *(d_g + d_g[:3 - len(d_g)]), do.numel() // do.shape[-1], *(s for _, s in rows),
-            GATE_GRADS=gate_grads, HAS_WIN=o_win is not None, SLC_GRAD=branch_grads[0],
-            WIN_GRAD=branch_grads[1], **meta)
+            GATE_GRADS=gate_grads, HAS_WIN=o_win is not None, CMP_GRAD=branch_grads[0],
+            SLC_GRAD=branch_grads[1], WIN_GRAD=branch_grads[2], **meta)
     d_o = [x if want else sums for x, sums, want in zip(d_o, d_g, wanted)]
     d_g = [x.to(g.dtype) if gate_grads else g.new_empty(0) for x, g in zip(d_g, gates)]
     if o_win is None:

@@ -24,7 +24,9 @@ rounds in alternating processes: the step's peak at 64k 16.16 -> 15.16 GiB, 16k 
 8k 2.35 -> 2.23; 64k step 104.6-105.7 -> 104.3-104.5 ms, 8k and 16k within the spread). Their
 delta, rowsum(dO * o), comes from the gate's backward too, which sums it for the gate's gradient
 anyway: no delta pass of the selection's, no o read in the window's dQ kernel (8k step with gate
-grads 8.66-8.68 -> 8.53-8.54 ms, 64k 105.21-105.42 -> 104.45-104.95). The one node
+grads 8.66-8.68 -> 8.53-8.54 ms, 64k 105.21-105.42 -> 104.45-104.95). The Triton compressed
+backward (short sequences, packed ones, GPUs without cuDNN's) takes dO and its gate the same way
+(three rounds, H100, gate grads: 4 x 8k 33.85-33.97 -> 33.49-33.57 ms). The one node
 itself, H100, spec geometry, forward+backward from an idle GPU against NSA_OPS_EAGER_LAYER=0,
 two readings each in one run: 8k 11.11 / 11.02 -> 10.84 / 10.38 ms, 16k 23.20 / 23.26 -> 22.14 /
 22.04, 64k 117.45 / 117.57 -> 115.71 / 116.72 (before the early index, `c6fc1e7`). The cost is
@@ -147,31 +149,35 @@ class _Layer(torch.autograd.Function):
         cu_q, cu_k = plan.cu_q, plan.cu_k
         # the gate's backward writes g * dO only for the branches whose kernels do not take the
         # gate (`Route.scales_do`): cuDNN's compressed backward, and FA-2's window; the Triton
-        # window and selection backward take dO and their gate (do_gate), scaling P, so their
-        # [B, T, HQ, Dv] products are neither written nor held, and as their delta the rows'
-        # rowsum(dO * o) that the gate's backward sums in the same pass (for the gate's
-        # gradient anyway), so that they read no o for it. The saved outputs stay until the node
-        # is done, where the ops' nodes free theirs one by one
+        # kernels take dO and their gate (do_gate), scaling P, so their [B, T, HQ, Dv] products
+        # are neither written nor held, and as their delta the rows' rowsum(dO * o) that the
+        # gate's backward sums in the same pass (for the gate's gradient anyway), so that they
+        # read no o for it. The saved outputs stay until the node is done, where the ops' nodes
+        # free theirs one by one
         with routing.force(**ctx.forces):
+            cmp_route = ops.compressed_backward_route(q, v_cmp, plan.block_len, plan.block_stride,
+                                                      cu_q, cu_k, plan.cmp_keys.get("seqlen_k"))
             sel_route = ops.backward_route("selection_attention", q, k, v, cu_q, cu_k)
             win_route = ops.backward_route("sliding_window_attention", q, k, v, cu_q, cu_k) \
                 if plan.window else None
-            slc_gated = sel_route.scales_do
-            win_gated = win_route is not None and win_route.scales_do
+            gated = (cmp_route.scales_do, sel_route.scales_do,
+                     win_route is not None and win_route.scales_do)
             with _named("gate_combine_backward"):
                 do_cmp, do_slc, do_win, dg_cmp, dg_slc, dg_win = ops.gate_backward(
                     do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, ctx.gate_grads,
-                    branch_grads=(not slc_gated, not win_gated))
+                    branch_grads=tuple(not x for x in gated))
             # a branch that takes the gate finds its delta in its slot
-            delta_slc, do_slc = (do_slc, do) if slc_gated else (None, do_slc)
-            delta_win, do_win = (do_win, do) if win_gated else (None, do_win)
+            (delta_cmp, do_cmp), (delta_slc, do_slc), (delta_win, do_win) = (
+                (slot, do) if takes_gate else (None, slot)
+                for slot, takes_gate in zip((do_cmp, do_slc, do_win), gated))
+            g_cmp_do, g_slc_do, g_win_do = (g if takes_gate else None
+                                            for g, takes_gate in zip((g_cmp, g_slc, g_win), gated))
             dq_parts = []
             if plan.window:
                 with _named("sliding_window_attention_backward"):
                     dq_win, dk_win, dv_win = ops.window_backward(
                         q, k, v, o_win, lse_win, do_win, None, plan.window, plan.scale, cu_q,
-                        cu_k, do_gate=g_win if win_gated else None, route=win_route,
-                        delta=delta_win)
+                        cu_k, do_gate=g_win_do, route=win_route, delta=delta_win)
                 del do_win, delta_win
                 dq_parts.append(dq_win)
             # the selection backward's index (some 60 small kernels) on a side stream, built while
@@ -180,18 +186,19 @@ class _Layer(torch.autograd.Function):
             routed = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k,
                                                   sel_route)
             with _named("compressed_attention_backward"):
-                dq_cmp, dk_cmp, dv_cmp = ops.compressed_attention_backward._init_fn(
+                dq_cmp, dk_cmp, dv_cmp = ops.compressed_backward(
                     q, k_cmp, v_cmp, o_cmp, lse_cmp, do_cmp, None,
                     plan.block_len, plan.block_stride, plan.scale, cu_q, cu_k,
-                    plan.cmp_keys.get("seqlen_k"))
-            del do_cmp
+                    plan.cmp_keys.get("seqlen_k"), do_gate=g_cmp_do, delta=delta_cmp,
+                    route=cmp_route)
+            del do_cmp, delta_cmp
             dq_parts.append(dq_cmp)
             # last, so that its dq kernel sums the other branches' dq as it writes its own
             with _named("selection_attention_backward"):
                 dq, dk, dv = ops.selection_backward_adding(
                     tuple(dq_parts), q, k, v, o_slc, lse_slc, do_slc, None, block_idx,
-                    plan.sel_block, plan.scale, cu_q, cu_k, routed,
-                    do_gate=g_slc if slc_gated else None, delta=delta_slc)
+                    plan.sel_block, plan.scale, cu_q, cu_k, routed, do_gate=g_slc_do,
+                    delta=delta_slc)
             del do_slc, delta_slc
             if plan.window:
                 dk += dk_win

@@ -130,9 +130,33 @@ def compressed_attention_backward(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Te
                                   cu_seqlens_k: Optional[Tensor] = None,
                                   seqlen_k: Optional[int] = None
                                   ) -> tuple[Tensor, Tensor, Tensor]:
-    kw, offset = _keys(q, None, cu_seqlens_k, seqlen_k)
-    route = _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens, offset,
-                              backward=True)
+    return compressed_backward(q, k_cmp, v_cmp, o, lse, do, dlse, block_len, block_stride, scale,
+                               cu_seqlens, cu_seqlens_k, seqlen_k)
+
+
+def compressed_backward_route(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
+                              cu_seqlens: Optional[Tensor] = None,
+                              cu_seqlens_k: Optional[Tensor] = None,
+                              seqlen_k: Optional[int] = None) -> routing.Route:
+    """The route compressed_attention_backward takes for these inputs (as `backward_route`)."""
+    _, offset = _keys(q, None, cu_seqlens_k, seqlen_k)
+    return _compressed_route(q, v_cmp, block_len, block_stride, cu_seqlens, offset,
+                             backward=True)
+
+
+def compressed_backward(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor, lse: Tensor,
+                        do: Tensor, dlse: Optional[Tensor], block_len: int, block_stride: int,
+                        scale: float, cu_seqlens: Optional[Tensor] = None,
+                        cu_seqlens_k: Optional[Tensor] = None, seqlen_k: Optional[int] = None,
+                        do_gate: Optional[Tensor] = None, delta: Optional[Tensor] = None,
+                        route: Optional[routing.Route] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """compressed_attention_backward's body (route: `compressed_backward_route`'s, already
+    routed); do_gate, delta: as `window_backward`'s."""
+    kw, _ = _keys(q, None, cu_seqlens_k, seqlen_k)
+    if route is None:
+        route = compressed_backward_route(q, v_cmp, block_len, block_stride, cu_seqlens,
+                                          cu_seqlens_k, seqlen_k)
+    do = _gated_do(route, do, do_gate, delta, o, kw)
     return _call(route.backward, route, q, k_cmp, v_cmp, o, lse, do, dlse, block_len,
                  block_stride, scale, cu_seqlens, **kw)
 
@@ -493,11 +517,12 @@ def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optio
 
 def gate_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
                   g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor], gate_grads: bool,
-                  branch_grads: tuple[bool, bool] = (True, True)) -> tuple[Tensor, ...]:
-    """gate_combine_backward's body; branch_grads (selection, window) False: that branch's slot
-    holds its rows' rowsum(dO * o), fp32 [B, T, HQ], in place of g * dO (nsa_attention's eager
-    backward, whose branch backward takes dO and the gate instead, and these sums as its delta:
-    `selection_backward_adding`'s do_gate and delta)."""
+                  branch_grads: tuple[bool, bool, bool] = (True, True, True)
+                  ) -> tuple[Tensor, ...]:
+    """gate_combine_backward's body; branch_grads (compressed, selection, window) False: that
+    branch's slot holds its rows' rowsum(dO * o), fp32 [B, T, HQ], in place of g * dO
+    (nsa_attention's eager backward, whose branch backward takes dO and the gate instead, and
+    these sums as its delta: `selection_backward_adding`'s do_gate and delta)."""
     route = _gate_route(o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, backward=True)
     return _call(route.backward, route, do, o_cmp, o_slc, o_win, g_cmp, g_slc, g_win, gate_grads,
                  branch_grads=tuple(branch_grads))

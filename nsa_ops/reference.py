@@ -525,17 +525,17 @@ def gate_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor], g_cmp: T
 
 def gate_combine_backward(do: Tensor, o_cmp: Tensor, o_slc: Tensor, o_win: Optional[Tensor],
                           g_cmp: Tensor, g_slc: Tensor, g_win: Optional[Tensor],
-                          gate_grads: bool, branch_grads: tuple[bool, bool] = (True, True)
+                          gate_grads: bool,
+                          branch_grads: tuple[bool, bool, bool] = (True, True, True)
                           ) -> tuple[Tensor, ...]:
     """(d_o_cmp, d_o_slc, d_o_win, d_g_cmp, d_g_slc, d_g_win) in the inputs' dtypes; an absent
     window branch's grads and the gate grads unless gate_grads (a caller whose gates need no
     grad skips reading the branch outputs) are empty [0] tensors. Where branch_grads
-    (selection, window) says False, that branch's slot holds its rows' rowsum(dO * o) ([B, T,
-    HQ], fp32 or float64) in place of g * dO: the delta of a backward that takes dO and the
-    gate."""
+    (compressed, selection, window) says False, that branch's slot holds its rows' rowsum(dO *
+    o) ([B, T, HQ], fp32 or float64) in place of g * dO: the delta of a backward that takes dO
+    and the gate."""
     d_o, d_g = [], []
-    for o, g, want in ((o_cmp, g_cmp, True), (o_slc, g_slc, branch_grads[0]),
-                       (o_win, g_win, branch_grads[1])):
+    for o, g, want in zip((o_cmp, o_slc, o_win), (g_cmp, g_slc, g_win), branch_grads):
         if o is None:
             d_o.append(do.new_empty(0))
             d_g.append(do.new_empty(0))

@@ -131,7 +131,7 @@ def test_eager_gate_in_selection_epilogue(monkeypatch):
 @pytest.mark.parametrize("window_impl", ["triton", "reference"])
 def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
     """The layer's gate backward writes g * dO only for the branches whose route takes no gate:
-    the selection and window backward take dO and their gate where their route does
+    the compressed, selection and window backward take dO and their gate where their route does
     (`Route.scales_do`: the Triton kernels scale P), the reference window gets the product from
     the gate's backward: the same gradients as through the ops, with packed sequences and
     queries at an offset too; the gated branches get the gate backward's row sums as their
@@ -143,23 +143,25 @@ def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
     monkeypatch.setattr(ops, "gate_backward",
                         lambda *a, **kw: calls.append(kw.get("branch_grads"))
                         or backward(*a, **kw))
-    for name in ("window_backward", "selection_backward_adding"):
+    for name in ("window_backward", "selection_backward_adding", "compressed_backward"):
         branch = getattr(ops, name)
         monkeypatch.setattr(ops, name, lambda *a, branch=branch, name=name, **kw: deltas.append(
             (name, kw.get("delta") is not None)) or branch(*a, **kw))
-    with routing.force(selection_attention="triton", sliding_window_attention=window_impl):
+    with routing.force(selection_attention="triton", sliding_window_attention=window_impl,
+                       compressed_attention="triton"):
         for case in (CASES[0], CASES[2], CASES[3], CASES[4]):
             _, grads, _ = _layer(monkeypatch, True, *case)
             _, grads_ops, _ = _layer(monkeypatch, False, *case)
             # P takes the gate where the ops' path rounds g * dO first
             _assert_grads_match(grads, grads_ops, atol=1e-5, rtol=1e-4)
     # the layer's (selection, window), then the gate op's
-    assert calls == [(False, window_impl != "triton"), None] * 4
+    assert calls == [(False, False, window_impl != "triton"), None] * 4
     # the layer's branches that take the gate take the gate backward's row sums as their
     # delta; the ops' backward (the comparison) takes none
     gated_window = window_impl == "triton"
     assert collections.Counter(deltas) == collections.Counter(
         {("selection_backward_adding", True): 4, ("selection_backward_adding", False): 4,
+         ("compressed_backward", True): 4, ("compressed_backward", False): 4,
          ("window_backward", True): 4 * gated_window,
          ("window_backward", False): 8 - 4 * gated_window})
     q, k, v = qkv(1, 64, 4, 2, 16, 16)

@@ -191,6 +191,50 @@ def test_attention_varlen(monkeypatch, case, tiles):
     check_attention(q, k, v, l, d, cu, ATOL[torch.float32], with_dlse=True)
 
 
+@pytest.mark.parametrize("case,varlen,nsplit", [
+    (CASES[1], False, 1), (CASES[3], False, 3), (VARLEN_CASES[0], True, 1)],
+    ids=["fixed", "fixed-split3", "varlen"])
+def test_attention_backward_do_gate(monkeypatch, case, varlen, nsplit):
+    """do_gate (nsa_attention's eager backward): the gradients of do_gate * do from do, the
+    kernels scaling P (dK dV, in one program or split three ways) and dq rows, against the
+    reference given the product, also with the rows' delta given in place of o (NaN there);
+    gates of either sign; an lse gradient beside either is refused by name."""
+    monkeypatch.setattr(kc, "_dkdv_splits", lambda *args: nsplit)
+    if varlen:
+        H, G, Dk, Dv, l, d = case
+        cu = torch.tensor(VARLEN_CU, dtype=torch.int32, device=_device())
+        q, k, v = make_inputs(1, VARLEN_CU[-1], H, G, Dk, Dv, l, d, torch.float32, cu)
+    else:
+        B, T, H, G, Dk, Dv, l, d = case
+        cu = None
+        q, k, v = make_inputs(B, T, H, G, Dk, Dv, l, d, torch.float32)
+    scale = Dk ** -0.5
+    o, lse = kc.compressed_attention_fwd(q, k, v, l, d, scale, cu)
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    do = torch.randn(o.shape, generator=gen).to(o)
+    gate = (torch.rand(lse.shape, generator=gen) - 0.25).to(lse)
+    qd, kd, vd = f64(q, k, v)
+    o_ref, lse_ref = ref.compressed_attention(qd, kd, vd, l, d, scale, cu)
+    want = ref.compressed_attention_backward(qd, kd, vd, o_ref, lse_ref,
+                                             gate.double().unsqueeze(-1) * do.double(), None,
+                                             l, d, scale, cu)
+    delta = (do * o).sum(-1)
+    with poisoned_empty():
+        grads = kc.compressed_attention_bwd(q, k, v, o, lse, do, None, l, d, scale, cu,
+                                            do_gate=gate)
+        given = kc.compressed_attention_bwd(q, k, v, torch.full_like(o, float("nan")), lse, do,
+                                            None, l, d, scale, cu, do_gate=gate, delta=delta)
+    for name, g, h, g_ref in zip(("dq", "dk", "dv"), grads, given, want):
+        assert_close(name, g, g_ref, ATOL[torch.float32])
+        assert_close(name + " (delta given)", h, g_ref, ATOL[torch.float32])
+    with pytest.raises(ValueError, match="do_gate: a backward takes a gate for dO only"):
+        kc.compressed_attention_bwd(q, k, v, o, lse, do, torch.zeros_like(lse), l, d, scale, cu,
+                                    do_gate=gate)
+    with pytest.raises(ValueError, match="delta: give rowsum"):
+        kc.compressed_attention_bwd(q, k, v, o, lse, do, torch.zeros_like(lse), l, d, scale, cu,
+                                    delta=delta)
+
+
 def _cmp_lse(q, k, v, l, d, cu):
     return kc.compressed_attention_fwd(q, k, v, l, d, q.shape[-1] ** -0.5, cu)[1]
 

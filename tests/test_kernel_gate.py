@@ -87,12 +87,14 @@ def test_gate_kernels_without_window_branch(poisoned_empty, gate_grads):
 
 @pytest.mark.parametrize("gate_grads", [True, False])
 @pytest.mark.parametrize("window", [True, False])
-@pytest.mark.parametrize("branch_grads", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("branch_grads", [(True, False, False), (True, True, False),
+                                          (True, False, True), (False, True, True),
+                                          (False, False, False)])
 def test_gate_backward_branch_sums(poisoned_empty, branch_grads, window, gate_grads):
-    """branch_grads (selection, window) False: that branch's slot holds its rows' fp32
-    rowsum(dO * o) in place of g * dO, in the kernel and the reference, whether or not the gates
-    need grads (nsa_attention's eager backward hands the branch dO, its gate and these sums as
-    its delta); the other grads as with every branch's."""
+    """branch_grads (compressed, selection, window) False: that branch's slot holds its rows'
+    fp32 rowsum(dO * o) in place of g * dO, in the kernel and the reference, whether or not the
+    gates need grads (nsa_attention's eager backward hands the branch dO, its gate and these
+    sums as its delta); the other grads as with every branch's."""
     o, g = _inputs(1, 13, 4, 16, torch.float16, torch.float16, "cpu", True, seed=5)
     if not window:
         o[2] = g[2] = None
@@ -101,7 +103,7 @@ def test_gate_backward_branch_sums(poisoned_empty, branch_grads, window, gate_gr
     sums = [None if x is None else (do.double() * x.double()).sum(-1) for x in o]
     for impl in (gate.gate_combine_bwd, R.gate_combine_backward):
         got = impl(do, *o, *g, gate_grads, branch_grads=branch_grads)
-        wanted = (True, *branch_grads, True, True, True)
+        wanted = (*branch_grads, True, True, True)
         for i, (got_d, want_d, want) in enumerate(zip(got, every, wanted)):
             if not want and o[i] is not None:
                 assert got_d.dtype == torch.float32 and got_d.shape == o[i].shape[:-1], i
