@@ -151,4 +151,3 @@ def given_delta(delta: Optional[Tensor], dlse: Optional[Tensor], do: Tensor
         raise ValueError(f"delta must be shaped like dO without its last dim "
                          f"{tuple(do.shape[:-1])}, got {tuple(delta.shape)}")
     return delta.to(torch.float32).contiguous()
-
