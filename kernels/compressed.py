@@ -951,8 +951,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
         sync = ordered.sync_buffer(key_tiles * B * H * nsplit, q.device) if ordered_adds else dk
         launch(_dkdv_kernel)[(key_tiles * B * H * nsplit,) if ordered_adds else grid](
             q, k_cmp, v_cmp, do, lse, delta, gate_arg, dk_acc, dv_acc, lay.seq, lay.pos,
-            lay.cmp_cu,
-            lay.key_seq, lay.key_idx, lay.cu, lay.view_start, sync,
+            lay.cmp_cu, lay.key_seq, lay.key_idx, lay.cu, lay.view_start, sync,
             *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
             *_s(dk_acc, 0, 1, 2), *_s(dv_acc, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
             key_tiles, TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n,

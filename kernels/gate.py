@@ -7,10 +7,10 @@ kernels (three broadcasting multiplies, two adds) and writes four intermediates;
 that is ~5 ms of the NSA forward on an H100. One pass reads the branch outputs once, sums in
 fp32 and writes o; the backward writes the three branch grads and, when the gates need grads,
 their row sums of dO * o in the same pass (for a branch whose backward takes dO and its gate
-instead of g * dO, the fp32 sums in place of its grad: its delta). Under torch.compile Inductor fuses the expression
-itself (into the selection template's epilogue), so nsa_attention uses these only eagerly, and
-there the selection forward's own epilogue runs the combine (`gated_rows`) where the Triton
-kernel serves the branch.
+instead of g * dO, the fp32 sums in place of its grad: its delta). Under torch.compile Inductor
+fuses the expression itself (into the selection template's epilogue), so nsa_attention uses
+these only eagerly, and there the selection forward's own epilogue runs the combine
+(`gated_rows`) where the Triton kernel serves the branch.
 """
 from __future__ import annotations
 

@@ -943,10 +943,10 @@ def _dq_kernel(q, k, v, o, do, lse, dlse, delta, gate, dq, dq_add0, dq_add1, bid
                PREC: tl.constexpr, HAS_GATE: tl.constexpr, DELTA_DONE: tl.constexpr):
     """dq of one (token, group), plus the first ADDS of dq_add0, dq_add1 (gradients laid out
     like dq); also writes delta = rowsum(dO * O) - dlse for the dk/dv pass, unless DELTA_DONE
-    (the caller gave every row's: O goes unread). HAS_GATE: dO is
-    scaled by the rows' gates (`utils.unscaled_do_gate`). TT > 0 (fixed length): the dq pass
-    over groups of TT queries (`_shared_dq_kernel`) ran, bidx holds its `_rest_rows`, and dq
-    its share where it took any blocks (marked -3 in the row)."""
+    (the caller gave every row's: O goes unread). HAS_GATE: dO is scaled by the rows' gates
+    (`utils.unscaled_do_gate`). TT > 0 (fixed length): the dq pass over groups of TT queries
+    (`_shared_dq_kernel`) ran, bidx holds its `_rest_rows`, and dq its share where it took any
+    blocks (marked -3 in the row)."""
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -1664,8 +1664,7 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
     if not stored:
         launch(_dq_kernel)[(T, B * H)](
             q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, gate_arg, dq, *dq_adds,
-            rows,
-            *queries.kernel_args(bidx), *strides, T, n, scale, qk_scale, GP=pow2(G, 16),
+            rows, *queries.kernel_args(bidx), *strides, T, n, scale, qk_scale, GP=pow2(G, 16),
             IS_VARLEN=queries.varlen, ADDS=len(adds), TT=group, DELTA_DONE=delta_done,
             **constants, **_per_token_launch("dq", q.dtype))
 

@@ -871,22 +871,18 @@ def sliding_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: floa
 
 def _triton_extra(backend: str, cu_seqlens_k: Optional[Tensor], tma: Optional[bool],
                   do_gate: Optional[Tensor] = None, delta: Optional[Tensor] = None) -> dict:
-    """The keyword arguments a backend's call gets beyond the common ones."""
+    """The keyword arguments a backend's call gets beyond the common ones; those only the
+    triton backend takes are refused for the others, each by what it asks of the kernels."""
     extra = {} if cu_seqlens_k is None else dict(cu_seqlens_k=cu_seqlens_k)
-    if tma is not None:
+    for name, value, label, asks in (
+            ("tma", tma, f"tma={tma}", "reads K/V itself"),
+            ("do_gate", do_gate, "do_gate", "takes dO's gate"),
+            ("delta", delta, "delta", "takes the rows' delta")):
+        if value is None:
+            continue
         if backend != "triton":
-            raise ValueError(f"tma={tma}: only the triton backend reads K/V itself, not "
-                             f"{backend}")
-        extra["tma"] = tma
-    if do_gate is not None:
-        if backend != "triton":
-            raise ValueError(f"do_gate: only the triton backend takes dO's gate, not {backend}")
-        extra["do_gate"] = do_gate
-    if delta is not None:
-        if backend != "triton":
-            raise ValueError(f"delta: only the triton backend takes the rows' delta, not "
-                             f"{backend}")
-        extra["delta"] = delta
+            raise ValueError(f"{label}: only the triton backend {asks}, not {backend}")
+        extra[name] = value
     return extra
 
 
