@@ -154,7 +154,7 @@ def test_eager_branch_backward_takes_the_gate(monkeypatch, window_impl):
             _, grads_ops, _ = _layer(monkeypatch, False, *case)
             # P takes the gate where the ops' path rounds g * dO first
             _assert_grads_match(grads, grads_ops, atol=1e-5, rtol=1e-4)
-    # the layer's (selection, window), then the gate op's
+    # the layer's (compressed, selection, window), then the gate op's
     assert calls == [(False, False, window_impl != "triton"), None] * 4
     # the layer's branches that take the gate take the gate backward's row sums as their
     # delta; the ops' backward (the comparison) takes none
