@@ -26,7 +26,7 @@ selecting alike 31.67-35.26 -> 24.56-26.74 ms, random selections 33.51-33.61 -> 
 dk/dv are key-centric: each K/V block must sum over every query that selected it, and block 0 and
 the local blocks are selected by (nearly) every query. Atomics from the per-token programs would add
 n * l' * (Dk + Dv) values per (token, KV head) with heavy contention on block 0, so instead an
-inverse index (built with torch.sort / searchsorted on device, no host sync) lists, per
+inverse index (`kernels/index.py`: built on device around one torch.sort, no host sync) lists, per
 (batch, KV head, block), the queries that picked it, cut into chunks of about ROWS_PER_CHUNK query
 rows. One program per (chunk, key tile) recomputes P and dS for its rows with [BM, BN] tiles and
 atomically adds its partial dk/dv into fp32 buffers; only blocks spanning several chunks contend.
@@ -60,10 +60,10 @@ from torch import Tensor
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
+from nsa_ops.kernels.index import selection_index
 from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, given_delta, launch, pow2,
                                    tma_descriptors, tma_kv_reason, traced, unit_last_stride,
                                    unscaled_do_gate, use_tma)
-from nsa_ops.reference import query_keys
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
@@ -551,13 +551,13 @@ _SHARED_DQ_PROGRAMS = 2
 # random, dq worked out again / windows of 64k / 32k: 69.06-70.76 / 61.53-62.39 / 63.46-65.66,
 # alike 50.52-51.11 / 51.70-52.27 / 52.28-52.97, peak 3.06 / 10.80 / 6.75 GiB. So 1/16: at 64k a
 # layer's step keeps about the peak it had before dS was stored, for at most 1% of the step,
-# and 128k stores dS too. Its inverse index
-# must be built before the dK dV pass, where it hid behind the dq kernel: left to the backward
-# (a GPU, no `backward_index` started early, as under torch.compile), the index's ~60 small
-# kernels are exposed, and below STORED_DS_MIN_TOKENS query tokens that costs more than dq from
-# dS saves where neighbouring queries select alike (H100, spec geometry, whole selection
-# backward, recomputed -> stored: runs of 64 alike 8k 2.84 -> 3.20 ms, 16k 5.84-6.00 ->
-# 6.22-6.35; random 8k 3.74 -> 3.64, 16k 7.74-8.06 -> 7.10-7.13), so there it works dq out again.
+# and 128k stores dS too. Its inverse index must be built before the dK dV pass, where it hid
+# behind the dq kernel: left to the backward (a GPU, no `backward_index` started early, as under
+# torch.compile), the index (then some 60 small torch kernels, `kernels/index.py` since) is
+# exposed, and below STORED_DS_MIN_TOKENS query tokens that costs more than dq from dS saves
+# where neighbouring queries select alike (H100, spec geometry, whole selection backward,
+# recomputed -> stored: runs of 64 alike 8k 2.84 -> 3.20 ms, 16k 5.84-6.00 -> 6.22-6.35; random
+# 8k 3.74 -> 3.64, 16k 7.74-8.06 -> 7.10-7.13), so there it works dq out again.
 # The buffer is laid out [B, T, H, N, G, SEL]: a (query, block)'s dS for the G heads of its
 # group is one contiguous piece (2 KB at the spec's geometry) for the dK dV pass to write and dq
 # to read, where [B, T, HQ, N, SEL] cut it into G rows 2 KB apart. H100, whole stored backward,
@@ -1208,10 +1208,6 @@ class _Queries(NamedTuple):
     def varlen(self) -> bool:
         return self.cu_seqlens is not None
 
-    def positions(self) -> tuple[Tensor, Tensor]:
-        """int64 [Tq]: (the first packed key of each query's sequence, the key it sits at)."""
-        return query_keys(self.Tq, self.Tk, self.cu_seqlens, self.cu_seqlens_k, self.device)
-
     def span(self, rows: slice) -> "_Queries":
         """The queries of rows (a `_spans` window) over the keys up to their last one's (fixed
         length, when rows cut them)."""
@@ -1247,74 +1243,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
                          f"{tuple(block_idx.shape)}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"q must have B == 1 with cu_seqlens (packed sequences), got B={B}")
-
-
-def _key_chunks(block_idx: Tensor, sel_block: int, queries: _Queries, queries_per_chunk: int,
-                token_major: bool, with_slots: bool
-                ) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
-    """Inverse of block_idx, chunked: which queries selected each (batch, KV head, block).
-
-    Returns ent_tok int32 [E] (query token of each valid (b, t, h, slot) entry, grouped by block,
-    ascending inside a block), ent_pos int32 [E] (the key position that query sits at), with_slots:
-    ent_slot int32 [E] (the slot of the entry in its row; else None) and
-    chunks int64 [P, 4] = (first entry, end entry, b * H + h, first key token of the block):
-    E = B*T*H*n passes 2**31 at long T. P is a bound known from shapes alone; chunks past the
-    real count are empty (end == first). A block a row names twice keeps one live entry: the
-    repeat follows it in the sort and gets ent_tok = -1, which the dk/dv kernel skips (finding
-    repeats by sorting each row first took 1.5 ms of a 64k backward on an H100). Everything
-    stays on device: no host sync, CUDA-graph capturable.
-
-    token_major: chunks ordered by (b * H + h, their first query) instead of by block, so that
-    the programs running at one time read the q / dO rows of a narrow range of tokens, which L2
-    then serves to each of the n blocks those tokens picked, instead of HBM serving each pick
-    (random selections scatter a block's queries over the whole sequence). The deterministic
-    mode keeps chunks of a block consecutive, in order (`ordered`).
-    """
-    B, T, H, n = block_idx.shape
-    device = block_idx.device
-    idx = block_idx.to(torch.int64)
-    Tk = queries.Tk
-    num_seq = 1 if queries.cu_seqlens is None else queries.cu_seqlens.numel() - 1
-    start, key_pos = queries.positions()
-    pos = key_pos - start  # position inside the key sequence
-    valid = (idx >= 0) & (idx * sel_block <= pos[None, :, None, None])
-    # a block is named by (b, h, its first packed key): unique across sequences, < B*H*Tk
-    first_tok = start[None, :, None, None] + idx * sel_block
-    bh = (torch.arange(B, device=device)[:, None] * H + torch.arange(H, device=device))
-    num_keys = B * H * Tk
-    key_dtype = torch.int32 if num_keys < 2 ** 31 - 1 else torch.int64
-    key = torch.where(valid, bh[:, None, :, None] * Tk + first_tok, num_keys).to(key_dtype)
-    key, order = torch.sort(key.flatten(), stable=True)  # invalid entries (num_keys) go last
-    ent = (order // (H * n)) % T
-    # stable: a row's entries for one block sit side by side, in slot order
-    row = order // n
-    repeat = torch.zeros_like(key, dtype=torch.bool)
-    repeat[1:] = (key[1:] == key[:-1]) & (row[1:] == row[:-1])
-    ent_tok = torch.where(repeat, -1, ent).to(torch.int32)
-    ent_pos = key_pos[ent].to(torch.int32)
-    ent_slot = (order % n).to(torch.int32) if with_slots else None
-
-    bounds = torch.searchsorted(key, torch.arange(num_keys + 1, device=device, dtype=key_dtype))
-    lo, hi = bounds[:-1], bounds[1:]
-    nchunk = (hi - lo + queries_per_chunk - 1) // queries_per_chunk
-    chunk_end = torch.cumsum(nchunk, 0)
-    # sum of ceil(count / C) <= E / C + (number of distinct blocks); blocks per (b, h) are at most
-    # Tk // l' + (number of sequences)
-    E = idx.numel()
-    P = max(1, -(-E // queries_per_chunk) + min(E, B * H * (Tk // sel_block + num_seq)))
-    pid = torch.arange(P, device=device)
-    kid = torch.searchsorted(chunk_end, pid, right=True)
-    real = kid < num_keys
-    kid = kid.clamp(max=num_keys - 1)
-    e0 = lo[kid] + (pid - chunk_end[kid] + nchunk[kid]) * queries_per_chunk
-    e1 = torch.minimum(e0 + queries_per_chunk, hi[kid])
-    e0, e1 = torch.where(real, e0, 0), torch.where(real, e1, 0)
-    chunks = torch.stack([e0, e1, kid // Tk, kid % Tk], dim=1).to(torch.int64)
-    if token_major:
-        first_query = ent_pos[e0].to(torch.int64)  # e0 < E: unreal chunks hold 0
-        rank = torch.where(e1 > e0, chunks[:, 2] * (Tk + 1) + first_query, B * H * (Tk + 1))
-        chunks = chunks[torch.argsort(rank)]
-    return ent_tok, ent_pos, ent_slot, chunks
 
 
 # --------------------------------------------------------------------------------------------
@@ -1444,8 +1372,8 @@ def forward_constants(HQ: int, H: int, Dk: int, Dv: int, n: int, sel_block: int,
 
 
 class _IndexRecipe(NamedTuple):
-    """What an inverse index is built for: `_key_chunks`' arguments after the queries, and the
-    query windows it is cut into."""
+    """What an inverse index is built for: `selection_index`'s arguments after the queries,
+    and the query windows it is cut into."""
     queries_per_chunk: int
     token_major: bool  # chunks in (KV head, first query) order; False: the deterministic mode's
     with_slots: bool   # the stored-dS backward's ent_slot
@@ -1453,7 +1381,7 @@ class _IndexRecipe(NamedTuple):
 
 
 class KeyChunks(NamedTuple):
-    """`_key_chunks`' four tensors, for one query window."""
+    """`selection_index`'s four tensors, for one query window."""
     ent_tok: Tensor
     ent_pos: Tensor
     ent_slot: Optional[Tensor]
@@ -1491,16 +1419,16 @@ def _index_recipe(q: Tensor, k: Tensor, v: Tensor, stored: bool, window: Optiona
 
 def _start_index(bidx: Tensor, sel_block: int, queries: _Queries, recipe: _IndexRecipe,
                  fork: Optional[torch.cuda.Event]) -> BackwardIndex:
-    """The index of recipe, its some 60 small torch kernels a window on the side stream from
-    event fork (a GPU, eager) or on the current stream (fork None)."""
+    """The index of recipe (`kernels/index.py`'s launches, a window at a time) on the side
+    stream from event fork (a GPU, eager) or on the current stream (fork None)."""
     side = _index_stream(bidx.device) if fork is not None else None
     if side is not None:
         side.wait_event(fork)
     with torch.cuda.stream(side):  # no-op for None: the current stream
-        windows = tuple(KeyChunks(*_key_chunks(bidx[:, rows], sel_block, queries.span(rows),
-                                               recipe.queries_per_chunk, recipe.token_major,
-                                               recipe.with_slots))
-                        for rows in _spans(queries.Tq, recipe.window))
+        windows = tuple(KeyChunks(*selection_index(
+            bidx[:, rows], sel_block, span.Tk, span.cu_seqlens, span.cu_seqlens_k,
+            recipe.queries_per_chunk, recipe.token_major, recipe.with_slots))
+            for rows in _spans(queries.Tq, recipe.window) for span in (queries.span(rows),))
         ready = side.record_event() if side is not None else None
     return BackwardIndex(windows, ready, recipe)
 
@@ -1622,7 +1550,7 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
     stored = ds is not None
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     prec = dot_precision(q.dtype)
-    # the dK dV kernel's inverse index (some 60 small torch kernels) depends on block_idx alone:
+    # the dK dV kernel's inverse index depends on block_idx alone:
     # on a GPU it is built on a side stream, from before the passes that precede dK dV
     fork = _fork(q.device) if index is None else None
     # the dK dV pass reads delta: with stored dS it runs before dq, so delta gets a pass of its

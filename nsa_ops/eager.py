@@ -180,9 +180,9 @@ class _Layer(torch.autograd.Function):
                         cu_k, do_gate=g_win_do, route=win_route, delta=delta_win)
                 del do_win, delta_win
                 dq_parts.append(dq_win)
-            # the selection backward's index (some 60 small kernels) on a side stream, built while
-            # the compressed backward runs; started after the gate and window backward are
-            # queued, so that the GPU has work while the host launches it
+            # the selection backward's inverse index on a side stream, built while the compressed
+            # backward runs; started after the gate and window backward are queued, so that the
+            # GPU has work while the host launches it
             routed = ops.selection_backward_index(q, k, v, block_idx, plan.sel_block, cu_q, cu_k,
                                                   sel_route)
             with _named("compressed_attention_backward"):

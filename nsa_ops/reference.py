@@ -413,6 +413,70 @@ def selection_attention_backward(q, k, v, o, lse, do, dlse, block_idx, sel_block
     return masked_attention_backward(q, k, v, o, lse, do, dlse, mask_fn, scale, chunk)
 
 
+def selection_index(block_idx: Tensor, sel_block: int, Tk: int, cu_seqlens: Optional[Tensor],
+                    cu_seqlens_k: Optional[Tensor], queries_per_chunk: int, token_major: bool,
+                    with_slots: bool) -> tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+    """The inverse of block_idx [B, T, H, n] that the selection's dK dV kernel reads: which
+    queries selected each (batch, KV head, block), cut into chunks of at most queries_per_chunk
+    entries (`nsa_ops.kernels.index`, the Triton kernels, write the same tensors bit for bit).
+
+    Returns ent_tok int32 [E] (query token of each (b, t, h, slot) entry, grouped by block,
+    ascending inside a block; E = B*T*H*n), ent_pos int32 [E] (the packed key position that query
+    sits at, see query_keys), with_slots: ent_slot int32 [E] (the entry's slot in its row; else
+    None), and chunks int64 [P, 4] = (first entry, end entry, b * H + h, first packed key of the
+    block). Entries no query may read (-1, or a block past the query) sort last and no chunk
+    names them. A block a row names twice keeps one live entry: the repeat follows it and gets
+    ent_tok = -1. P is a bound known from shapes alone (no host sync): chunks past the real
+    count hold (0, 0, 0, 0). token_major: chunks ordered by (b * H + h, the key position of their
+    first query), stably, so that the programs running at one time read the q / dO rows of a
+    narrow range of tokens, which L2 then serves to each block those tokens picked; else by
+    block, each block's chunks consecutive and in order (the deterministic mode's adds).
+    """
+    B, T, H, n = block_idx.shape
+    device = block_idx.device
+    idx = block_idx.to(torch.int64)
+    num_seq = 1 if cu_seqlens is None else cu_seqlens.numel() - 1
+    start, key_pos = query_keys(T, Tk, cu_seqlens, cu_seqlens_k, device)
+    valid = (idx >= 0) & (idx * sel_block <= (key_pos - start)[None, :, None, None])
+    # a block is named by (b, h, its first packed key): unique across sequences, < B*H*Tk
+    first_tok = start[None, :, None, None] + idx * sel_block
+    bh = torch.arange(B, device=device)[:, None] * H + torch.arange(H, device=device)
+    num_keys = B * H * Tk
+    key = torch.where(valid, bh[:, None, :, None] * Tk + first_tok, num_keys)
+    key, order = torch.sort(key.flatten(), stable=True)  # invalid entries (num_keys) go last
+    ent = (order // (H * n)) % T
+    # stable: a row's entries for one block sit side by side, in slot order
+    row = order // n
+    repeat = torch.zeros_like(key, dtype=torch.bool)
+    repeat[1:] = (key[1:] == key[:-1]) & (row[1:] == row[:-1])
+    ent_tok = torch.where(repeat, -1, ent).to(torch.int32)
+    ent_pos = key_pos[ent].to(torch.int32)
+    ent_slot = (order % n).to(torch.int32) if with_slots else None
+
+    C = queries_per_chunk
+    bounds = torch.searchsorted(key, torch.arange(num_keys + 1, device=device))
+    lo, hi = bounds[:-1], bounds[1:]
+    nchunk = (hi - lo + C - 1) // C
+    chunk_end = torch.cumsum(nchunk, 0)
+    # sum of ceil(count / C) <= E / C + (number of distinct blocks); blocks per (b, h) are at most
+    # Tk // l' + (number of sequences)
+    E = idx.numel()
+    P = max(1, -(-E // C) + min(E, B * H * (Tk // sel_block + num_seq)))
+    pid = torch.arange(P, device=device)
+    kid = torch.searchsorted(chunk_end, pid, right=True)
+    real = kid < num_keys
+    kid = kid.clamp(max=num_keys - 1)
+    e0 = lo[kid] + (pid - chunk_end[kid] + nchunk[kid]) * C
+    e1 = torch.minimum(e0 + C, hi[kid])
+    chunks = torch.stack([e0, e1, kid // Tk, kid % Tk], dim=1)
+    chunks = torch.where(real[:, None], chunks, 0)
+    if token_major and E > 0:  # without entries no chunk is real: nothing to order
+        first_query = ent_pos[chunks[:, 0]].to(torch.int64)  # e0 < E: unreal chunks hold 0
+        rank = torch.where(real, chunks[:, 2] * (Tk + 1) + first_query, B * H * (Tk + 1))
+        chunks = chunks[torch.argsort(rank, stable=True)]
+    return ent_tok, ent_pos, ent_slot, chunks
+
+
 # --------------------------------------------------------------------------------------------
 # Block selection: Eq.9 overlap map, Eq.10 group sum, top-n
 # --------------------------------------------------------------------------------------------

@@ -73,8 +73,8 @@ def select(l, d, sel, n, T, HQ, H, D):
 
 def routed(dtype, dk, dv, HQ, H):
     from nsa_ops import reference
-    from nsa_ops.kernels import compressed, decode, delta, selection, window
-    for module in (window, compressed, selection, delta):
+    from nsa_ops.kernels import compressed, decode, delta, index, selection, window
+    for module in (window, compressed, selection, delta, index):
         module.launch = CompileForSm90
     cpu_tiles = window._tile_config
     window._tile_config = lambda kernel, kv_bytes, on_gpu: cpu_tiles(kernel, kv_bytes, True)

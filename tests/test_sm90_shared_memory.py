@@ -16,10 +16,12 @@ from helpers import compile_for_sm90
 SM90_SHARED_BYTES = 232448
 
 
-# the window, compressed and selection kernels, forward and backward, select_blocks, decode; fp32
-# leaves the selection's shared passes out (kernels/selection.py, `_cuda_core_default`)
+# the window, compressed and selection kernels, forward and backward, select_blocks, decode, the
+# selection backward's inverse index; fp32 leaves the selection's shared passes out
+# (kernels/selection.py, `_cuda_core_default`)
 ROUTED = {"_bwd_dq_kernel", "_bwd_dkdv_kernel", "_dq_kernel", "_dkdv_kernel", "_select_kernel",
-          "_fused_kernel", "_partials_kernel", "_dq_ds_kernel", "_delta_kernel"}
+          "_fused_kernel", "_partials_kernel", "_dq_ds_kernel", "_delta_kernel", "_keys_kernel",
+          "_bounds_kernel", "_chunk_base_kernel", "_entries_kernel"}
 
 
 @pytest.mark.parametrize("dtype,dk,dv,HQ,H,expected", [
