@@ -28,7 +28,8 @@ from torch import Tensor
 
 from nsa_ops.kernels.utils import launch, pow2
 
-_TOKENS = 16  # query tokens a `_keys_kernel` program takes (rows of H * n entries)
+_TOKENS = 16  # query tokens a `_keys_kernel` program takes (rows of H * n entries), at most
+_KEY_ENTRIES = 4096  # entries a `_keys_kernel` program holds at most (many heads x slots)
 _ENTRIES = 1024  # sorted entries a `_bounds_kernel` / `_entries_kernel` program takes
 _KEYS = 1024  # keys a `_chunk_base_kernel` step sums
 
@@ -174,9 +175,11 @@ def selection_index(block_idx: Tensor, sel_block: int, Tk: int, cu_seqlens: Opti
         return empty, empty, empty if with_slots else None, chunks
     key_dtype = torch.int32 if num_keys < 2 ** 31 - 1 else torch.int64
     keys = torch.empty(E, dtype=key_dtype, device=device)
-    launch(_keys_kernel)[(triton.cdiv(T, _TOKENS), B)](
-        block_idx, keys, *seq_args, block_idx.stride(0), T, nbk, num_keys, H=H, N=n,
-        HNP=pow2(H * n), SEL=sel_block, TOKENS=_TOKENS, IS_VARLEN=varlen, num_warps=4)
+    hnp = pow2(H * n)
+    tokens = max(1, min(_TOKENS, _KEY_ENTRIES // hnp))
+    launch(_keys_kernel)[(triton.cdiv(T, tokens), B)](
+        block_idx, keys, *seq_args, block_idx.stride(0), T, nbk, num_keys, H=H, N=n, HNP=hnp,
+        SEL=sel_block, TOKENS=tokens, IS_VARLEN=varlen, num_warps=4)
     keys, order = torch.sort(keys, stable=True)  # unread entries (num_keys) go last
 
     entry_grid = (max(1, triton.cdiv(E, _ENTRIES)),)

@@ -35,6 +35,7 @@ def _compare(bidx, sel_block, Tk, cu_q=None, cu_k=None, chunk=3, token_major=Tru
     (2, 70, 70, 3, 5, 16, 3),  # H * n = 15: a padded column tile
     (1, 40, 103, 2, 4, 8, 4),  # queries at an offset
     (2, 33, 33, 2, 16, 4, 64),
+    (1, 6, 6, 64, 128, 1, 8),  # 8192 entries a token: one token a `_keys_kernel` program
 ])
 @pytest.mark.parametrize("token_major,with_slots", [(True, True), (False, False), (True, False)])
 def test_index_fixed_length(B, T, Tk, H, n, sel_block, chunk, token_major, with_slots,
