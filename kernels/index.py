@@ -4,11 +4,11 @@ oracle, bit for bit), in four launches around one stable sort instead of some 40
 Each op cost the host 10-40 us to enqueue, about 1.5 ms of an 8k layer step whose host time (8.0
 ms) matched its GPU time on an H100 machine (so the synced step waited on the host), and the
 side stream ran their passes over the [E] entry arrays beside the window and compressed
-backward. Here a block is keyed by (b * H + h) * NBK + first_key // l' + sequence: dense (NBK = Tk
-// l' + sequences + 1 a head, 4100 keys at 64k tokens against the oracle's B * H * Tk) and in the
-oracle's order, as a block's first packed key is below the next sequence's, so the sort and the
-entry arrays come out the same, and bounds, chunk bases and chunks are per-key passes rather
-than searches over every packed key.
+backward. Here a block is keyed by (b * H + h) * NBK + first_key // l' + sequence: dense (NBK =
+Tk // l' + sequences + 1 a head: 4104 keys at 64k tokens and 4 heads, against the oracle's B * H *
+Tk) and in the oracle's order, as a block's first packed key is below the next sequence's, so the
+sort and the entry arrays come out the same, and bounds, chunk bases and chunks are per-key
+passes rather than searches over every packed key.
 
 1. `_keys_kernel`: each (b, t, h, slot) entry's key (NUM_KEYS where no query reads it);
 2. a stable torch.sort of the keys (order: the entries' flat (b, t, h, slot) index);
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from nsa_ops.kernels.utils import launch, pow2
 
-_TOKENS = 16  # query tokens a `_keys_kernel` program takes (rows of H * n entries), at most
+_TOKENS = 16  # query tokens a `_keys_kernel` program takes at most (rows of H * n entries)
 _KEY_ENTRIES = 4096  # entries a `_keys_kernel` program holds at most (many heads x slots)
 _ENTRIES = 1024  # sorted entries a `_bounds_kernel` / `_entries_kernel` program takes
 _KEYS = 1024  # keys a `_chunk_base_kernel` step sums
