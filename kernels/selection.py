@@ -1196,13 +1196,12 @@ def _strides(x: Tensor) -> tuple[int, int, int]:
 
 class _Queries(NamedTuple):
     """Where each of the Tq queries sits among the Tk keys (bottom-right aligned, see
-    reference.query_layout). Fixed-length kernels need only off = Tk - Tq; the per-query arrays
-    are built where something reads them (varlen kernels, the dk/dv inverse index)."""
+    reference.query_layout). Fixed-length kernels need only off = Tk - Tq; packed ones find each
+    query's sequence in-kernel from the offsets (`kernel_args`)."""
     Tq: int
     Tk: int
     cu_seqlens: Optional[Tensor]
     cu_seqlens_k: Optional[Tensor]
-    device: torch.device
 
     @property
     def varlen(self) -> bool:
@@ -1215,8 +1214,7 @@ class _Queries(NamedTuple):
             return self
         if self.varlen:
             raise ValueError("packed sequences are not cut into query windows")
-        return _Queries(rows.stop - rows.start, rows.stop + self.Tk - self.Tq, None, None,
-                        self.device)
+        return _Queries(rows.stop - rows.start, rows.stop + self.Tk - self.Tq, None, None)
 
     def kernel_args(self, placeholder: Tensor) -> tuple:
         """(cu_q, cu_k, OFF, NSEQ) for the per-token kernels: the offsets unread for fixed
@@ -1328,7 +1326,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
         return
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     bidx = block_idx.to(torch.int32).contiguous()
-    queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
+    queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k)
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     tma = _tma_loads(tma, k, v, sel_block, _key_tile_size("fwd_tma", sel_block, dkp, dvp))
     constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype, tma)
@@ -1459,7 +1457,7 @@ def backward_index(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block
     it before the window and compressed backward (nsa_ops.eager)."""
     _check(q, k, v, block_idx, sel_block, cu_seqlens)
     bidx = block_idx.to(torch.int32).contiguous()
-    queries = _Queries(q.shape[1], k.shape[1], cu_seqlens, cu_seqlens_k, q.device)
+    queries = _Queries(q.shape[1], k.shape[1], cu_seqlens, cu_seqlens_k)
     stored, window = _ds_choice(q, block_idx.shape[3], sel_block, queries, stored_ds, True)
     return _start_index(bidx, sel_block, queries,
                         _index_recipe(q, k, v, stored, window, sel_block), _fork(q.device))
@@ -1512,7 +1510,7 @@ def selection_attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Ten
     gate = unscaled_do_gate(do_gate, dlse)
     delta = given_delta(delta, dlse, do)
     bidx = block_idx.to(torch.int32).contiguous()
-    queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k, q.device)
+    queries = _Queries(T, Tk, cu_seqlens, cu_seqlens_k)
     stored, window = _ds_choice(q, n, sel_block, queries, stored_ds, index is not None)
     recipe = _index_recipe(q, k, v, stored, window, sel_block)
     if index is not None and index.recipe != recipe:
@@ -1550,8 +1548,8 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
     stored = ds is not None
     dkp, dvp = pow2(Dk, 16), pow2(Dv, 16)
     prec = dot_precision(q.dtype)
-    # the dK dV kernel's inverse index depends on block_idx alone:
-    # on a GPU it is built on a side stream, from before the passes that precede dK dV
+    # the dK dV kernel's inverse index depends on block_idx alone: on a GPU it is built on a
+    # side stream, from before the passes that precede dK dV
     fork = _fork(q.device) if index is None else None
     # the dK dV pass reads delta: with stored dS it runs before dq, so delta gets a pass of its
     # own, unless the caller gave it
