@@ -7,6 +7,8 @@ bf16 on one CUDA device, at the geometry of bench/geometry.py (default: the spec
   nsa_full     our NSA at the geometry, phi mean
   nsa_fla_cfg  our NSA in fla's configuration (l=d=l'=64, n=16, no window branch)
   sdpa_causal  torch scaled_dot_product_attention, causal, GQA
+  nsa_full_graphed  nsa_full as CUDA graphs (torch.cuda.make_graphed_callables, one capture per
+               length): the same kernels replayed without the host's Python and launch time
   nsa_full_deterministic  nsa_full under torch.use_deterministic_algorithms(True): its backward
                adds partial dk/dv in a fixed order (kernels/ordered.py), bitwise reproducible
   *_compiled   the two NSA methods under torch.compile (selection lowers to nsa_ops.lowering's
@@ -20,6 +22,7 @@ its output against nsa_full's on the same inputs.
 """
 from __future__ import annotations
 
+import gc
 import platform
 import time
 from pathlib import Path
@@ -47,6 +50,31 @@ def nsa_full(cfg: nsa_ops.NSAConfig):
                                      block_stride=cfg.block_stride, sel_block=cfg.sel_block,
                                      num_sel=cfg.num_sel, window=cfg.window)
     return run
+
+
+def graphed(run):
+    """run(q, k, v, g) replayed from CUDA graphs that torch.cuda.make_graphed_callables captures
+    on the first call at each input shape; `.release()` drops them and their memory pool, which
+    main() calls after each measurement so that the next method's peak memory excludes it."""
+    graphs = {}
+
+    def release():
+        graphs.clear()
+        gc.collect()  # the graphed autograd Function's class keeps the graphs in a cycle
+        torch.cuda.empty_cache()
+
+    def replay(q, k, v, g):
+        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), len(g))
+        if key not in graphs:
+            release()
+            sample = tuple(x.detach().clone().requires_grad_(x.requires_grad)
+                           for x in (q, k, v, *g))
+            with torch.enable_grad():  # capture records the backward too
+                graphs[key] = torch.cuda.make_graphed_callables(
+                    lambda q, k, v, *g: run(q, k, v, g), sample)
+        return graphs[key](q, k, v, *g)
+    replay.release = release
+    return replay
 
 
 def nsa_fla_cfg(q, k, v, g):
@@ -152,7 +180,8 @@ def main() -> None:
     full = nsa_full(cfg)
     deterministic = nsa_full(cfg)
     deterministic.deterministic = True  # measure() times its backward in that mode
-    methods = {"nsa_full": full, "nsa_full_deterministic": deterministic,
+    methods = {"nsa_full": full, "nsa_full_graphed": graphed(full),
+               "nsa_full_deterministic": deterministic,
                "nsa_fla_cfg": nsa_fla_cfg, "sdpa_causal": sdpa_causal,
                # one compile per length: the template and its autotuning see the real shapes
                "nsa_full_compiled": torch.compile(full, fullgraph=True, dynamic=False),
@@ -180,7 +209,7 @@ def main() -> None:
             row = measure(methods[name], cfg, args.batch, T, compare_with)
         except torch.cuda.OutOfMemoryError:
             row = dict.fromkeys(("fwd_ms", "fwd_bwd_ms", "peak_mem_gb", "rel_err"), float("nan"))
-        torch.cuda.empty_cache()
+        getattr(methods[name], "release", torch.cuda.empty_cache)()
         rows.append(dict(method=name, T=T, **row))
 
     print(f"\n{'method':20s} {'T':>6s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'peak GB':>8s} "
