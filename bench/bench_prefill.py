@@ -8,7 +8,9 @@ bf16 on one CUDA device, at the geometry of bench/geometry.py (default: the spec
   nsa_fla_cfg  our NSA in fla's configuration (l=d=l'=64, n=16, no window branch)
   sdpa_causal  torch scaled_dot_product_attention, causal, GQA
   nsa_full_graphed  nsa_full as CUDA graphs (torch.cuda.make_graphed_callables, one capture per
-               length): the same kernels replayed without the host's Python and launch time
+               length): its kernels replayed without the host's Python and launch time (inside
+               capture the compressed branch runs the Triton kernel, not cuDNN); its peak
+               memory counts the graphs' private pool
   nsa_full_deterministic  nsa_full under torch.use_deterministic_algorithms(True): its backward
                adds partial dk/dv in a fixed order (kernels/ordered.py), bitwise reproducible
   *_compiled   the two NSA methods under torch.compile (selection lowers to nsa_ops.lowering's
@@ -74,6 +76,7 @@ def graphed(run):
                     lambda q, k, v, *g: run(q, k, v, g), sample)
         return graphs[key](q, k, v, *g)
     replay.release = release
+    replay.pooled = True
     return replay
 
 
@@ -163,7 +166,11 @@ def measure(method, cfg: nsa_ops.NSAConfig, B: int, T: int, compare_with=None) -
         fwd_bwd = median_ms(step)
         torch.cuda.reset_peak_memory_stats()
         step()
-        peak_gb = torch.cuda.max_memory_allocated() / 2**30
+        # a graphed method's activations live in its graphs' private pool, reserved whether or
+        # not a tensor holds them: count the pool (main() empties the cache between methods)
+        peak = torch.cuda.max_memory_reserved() if getattr(method, "pooled", False) \
+            else torch.cuda.max_memory_allocated()
+        peak_gb = peak / 2**30
     finally:
         torch.use_deterministic_algorithms(before)
     return dict(fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, peak_mem_gb=peak_gb, rel_err=rel_err)
