@@ -16,9 +16,16 @@ that does not pay off (short sequences per residue).
 
 cuDNN's backward has no input for an lse gradient; with a dlse the Triton backward runs instead
 (it takes any correct o and lse).
+
+CUDA-graph capture: cuDNN builds an attention plan on its first call for a layout, with a device
+allocation that capture forbids; torch then keeps the plan per thread. So each eager call here
+records its layout for its thread (`plans_built`), and the routing table lets a capture run cuDNN
+only for a layout recorded on the capturing thread (torch.cuda.make_graphed_callables and
+torch.compile's cudagraphs run their calls eagerly before capturing), the Triton kernel otherwise.
 """
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -66,6 +73,30 @@ def _rows(x: Tensor, part: _Part) -> Tensor:
     return x[:part.rows].permute(1, 0, 2).unsqueeze(0).expand(part.nres, -1, -1, -1)
 
 
+# per thread, as torch keeps cuDNN's attention plans: the layouts whose plans this thread built
+_threads = threading.local()
+
+
+def _layout(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int, backward: bool) -> tuple:
+    """What fixes the dense calls' shapes and strides, as the routing table sees the inputs."""
+    return (q.device, q.dtype, tuple(q.shape), q.stride(), tuple(v_cmp.shape), v_cmp.stride(),
+            block_len, block_stride, backward)
+
+
+def plans_built(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int,
+                backward: bool) -> bool:
+    """Whether an eager call on this thread ran this direction's cuDNN calls on inputs laid out as
+    q and v_cmp, so that their plans exist and a CUDA-graph capture may run them."""
+    return _layout(q, v_cmp, block_len, block_stride, backward) in getattr(_threads, "built", ())
+
+
+def _built(q: Tensor, v_cmp: Tensor, block_len: int, block_stride: int, backward: bool) -> None:
+    if not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if not hasattr(_threads, "built"):
+            _threads.built = set()
+        _threads.built.add(_layout(q, v_cmp, block_len, block_stride, backward))
+
+
 def _accumulate(dtype: torch.dtype) -> torch.dtype:
     """lse and dk/dv sums: float32, float64 for float64 inputs (the CPU tests' math kernels)."""
     return torch.promote_types(dtype, torch.float32)
@@ -103,6 +134,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     """o [B,T,HQ,Dv] (q.dtype), lse [B,T,HQ] float32. Fixed-length batches (the routing table
     refuses others)."""
     _fixed_length(cu_seqlens)
+    layout = (q, v_cmp, block_len, block_stride)
     q, k_cmp, v_cmp = (unit_last_stride(x) for x in (q, k_cmp, v_cmp))
     B, T, HQ, _ = q.shape
     o = torch.empty(B, T, HQ, v_cmp.shape[-1], dtype=q.dtype, device=q.device)
@@ -117,6 +149,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
                                     _rows(v_cmp[b], part), scale, part.causal)
             _residues(o[b], d, part).copy_(o_p)
             _residue_stats(lse[b], d, part).copy_(lse_p)
+    _built(*layout, backward=False)
     return o, lse
 
 
@@ -133,6 +166,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
                           cu_seqlens)
     _fixed_length(cu_seqlens)
     B, T = q.shape[:2]
+    layout = (q, v_cmp, block_len, block_stride)
     q, k_cmp, v_cmp, o, do = (unit_last_stride(x.to(q.dtype)) for x in (q, k_cmp, v_cmp, o, do))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dq[:, :min(T, block_len - 1)] = 0
@@ -150,4 +184,5 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
             # one gradient per residue (the rows were broadcast over them): sum in fp32
             dk[b, :part.rows] += dk_p.sum(0, dtype=acc).permute(1, 0, 2)
             dv[b, :part.rows] += dv_p.sum(0, dtype=acc).permute(1, 0, 2)
+    _built(*layout, backward=True)
     return dq, dk.to(k_cmp.dtype), dv.to(v_cmp.dtype)

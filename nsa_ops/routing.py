@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Union
 import torch
 import yaml
 
-from . import env
+from . import compressed_sdpa, env
 from .kernels.utils import device_capability
 
 PREFILL_OPS = ("compressed_attention", "select_blocks", "selection_attention",
@@ -71,6 +71,9 @@ class Inputs:
     compressed: Optional[CompressedGeometry] = None
     offset: bool = False  # queries at the end of longer keys (Tq < Tk, or cu_seqlens_k given)
     capturing: bool = False  # called inside CUDA-graph capture
+    # inside capture, compressed inputs only: an eager call on this thread built cuDNN's plans
+    # for their layout (nsa_ops.compressed_sdpa.plans_built)
+    cudnn_planned: bool = False
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
     # a backward op asks: each direction is routed on its own (as xformers dispatches its forward
     # and backward ops), so a backward may run another row than its forward did
@@ -93,8 +96,11 @@ class Inputs:
     def of_compressed(q: torch.Tensor, v_cmp: torch.Tensor, block_len: int, block_stride: int,
                       cu_seqlens=None, offset: bool = False, backward: bool = False
                       ) -> "Inputs":
-        return dataclasses.replace(Inputs.of(q, v_cmp, cu_seqlens, offset, backward),
-                                   compressed=CompressedGeometry(block_len, block_stride))
+        x = Inputs.of(q, v_cmp, cu_seqlens, offset, backward)
+        planned = x.capturing and compressed_sdpa.plans_built(q, v_cmp, block_len, block_stride,
+                                                              backward)
+        return dataclasses.replace(x, compressed=CompressedGeometry(block_len, block_stride),
+                                   cudnn_planned=planned)
 
     @staticmethod
     def of_cache(q: torch.Tensor, cache) -> "Inputs":
@@ -117,6 +123,7 @@ class Inputs:
             parts.append(f"l={self.compressed.block_len} d={self.compressed.block_stride}")
         flags = (("varlen", self.varlen), ("queries at an offset", self.offset),
                  ("inside CUDA-graph capture", self.capturing),
+                 ("cuDNN's plans built", self.cudnn_planned),
                  ("deterministic algorithms", self.deterministic), ("backward", self.backward))
         return " ".join(parts + [name for name, on in flags if on])
 
@@ -475,10 +482,11 @@ _flash_attn_row = _first(_importable("flash_attn"), _fa2_common)
 _aten_fa2_row = _first(_fa2_common, _has_aten_fa2)
 
 
-def _not_capturing(x: Inputs) -> Optional[str]:
-    if x.capturing:
-        return ("inside CUDA-graph capture: a first cuDNN call builds its plan with a device "
-                "allocation that capture forbids, the Triton kernel serves")
+def _plans_before_capture(x: Inputs) -> Optional[str]:
+    if x.capturing and not x.cudnn_planned:
+        return ("inside CUDA-graph capture with no eager call of this layout on this thread "
+                "before: a first cuDNN call builds its plan with a device allocation that "
+                "capture forbids, the Triton kernel serves")
     return None
 
 
@@ -510,8 +518,8 @@ def _cudnn_head_dims(x: Inputs) -> Optional[str]:
     return None
 
 
-_cudnn_compressed = _first(_needs_cuda, _no_offset, _not_capturing, _reproducible, _needs_triton,
-                           _needs_sm80,
+_cudnn_compressed = _first(_needs_cuda, _no_offset, _plans_before_capture, _reproducible,
+                           _needs_triton, _needs_sm80,
                            _half_only("cuDNN attention"), _cudnn_head_dims,
                            _head_dim_multiple_of_8("cuDNN attention"), _residue_views_fit,
                            _has_cudnn9)

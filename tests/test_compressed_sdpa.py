@@ -5,6 +5,8 @@ with cuDNN's dense kernels replaced by float64 math, against the reference in fl
 (atol/rtol 1e-10). GPU (-m gpu): the real cuDNN kernels in bf16/fp16 against a float32
 reference, ||out - ref|| / ||ref|| < 1e-2 for o, lse, dq, dk, dv.
 """
+import threading
+
 import pytest
 import torch
 
@@ -49,6 +51,30 @@ def test_decomposition_matches_reference(monkeypatch, B, T, HQ, H, l, d):
     want = R.compressed_attention_backward(q, k_cmp, v_cmp, o_ref, lse_ref, do, None, l, d, scale)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-10, rtol=1e-10)
+
+
+def test_plans_built_per_thread_direction_and_layout(monkeypatch):
+    """CUDA-graph capture may run cuDNN only where an eager call on the capturing thread built
+    the plans of that direction and layout (routing's capture rule)."""
+    monkeypatch.setattr(cs, "_dense_fwd", _math_fwd)
+    monkeypatch.setattr(cs, "_dense_bwd", _math_bwd)
+    monkeypatch.setattr(cs, "_threads", threading.local())
+    q, k, v = qkv(1, 64, 4, 2, 16, 16, torch.float64, seed=3)
+    k_cmp, v_cmp = R.compress_mean(k, 16, 8), R.compress_mean(v, 16, 8)
+    built = lambda q, backward: cs.plans_built(q, v_cmp, 16, 8, backward)
+    assert not built(q, False) and not built(q, True)
+    o, lse = cs.compressed_attention_fwd(q, k_cmp, v_cmp, 16, 8, 0.3)
+    assert built(q, False) and not built(q, True)
+    cs.compressed_attention_bwd(q, k_cmp, v_cmp, o, lse, torch.randn_like(o), None, 16, 8, 0.3)
+    assert built(q, True)
+    # another layout of q (head-major strides), another block geometry, another thread: not built
+    assert not built(q.transpose(1, 2).contiguous().transpose(1, 2), False)
+    assert not cs.plans_built(q, v_cmp, 16, 4, False)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(built(q, False)))
+    thread.start()
+    thread.join()
+    assert seen == [False]
 
 
 @pytest.mark.gpu

@@ -448,13 +448,19 @@ def test_every_row_forced_matches_the_reference(op, impl):
 
 def test_cudnn_compressed_refuses_inside_cuda_graph_capture():
     """A first cuDNN call allocates while building its plan, which capture forbids: inside a
-    capture the Triton kernel serves compressed attention."""
+    capture the Triton kernel serves compressed attention, unless an eager call built the plans
+    of this layout on this thread before."""
     x = routing.Inputs.of_compressed(torch.empty(1, 65536, 64, 128, device="meta"),
                                      torch.empty(1, 4096, 4, 128, device="meta"), 32, 16)
     x = dataclasses.replace(x, device_type="cuda", sm=(9, 0), dtype=torch.bfloat16)
     captured = dataclasses.replace(x, capturing=True)
     assert routing.choose("compressed_attention", captured).impl == "triton"
     assert "capture" in dict(routing.explain("compressed_attention", captured))["cudnn"]
+    # an eager call of this layout on the capturing thread built the plans: capture refuses
+    # nothing (a machine without cuDNN 9 refuses for that)
+    planned = dataclasses.replace(captured, cudnn_planned=True)
+    assert "capture" not in (dict(routing.explain("compressed_attention", planned))["cudnn"] or "")
+    assert "cuDNN's plans built" in planned.summary()
 
 
 def test_cudnn_compressed_refuses_under_deterministic_algorithms(deterministic):
