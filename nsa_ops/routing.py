@@ -71,13 +71,13 @@ class Inputs:
     compressed: Optional[CompressedGeometry] = None
     offset: bool = False  # queries at the end of longer keys (Tq < Tk, or cu_seqlens_k given)
     capturing: bool = False  # called inside CUDA-graph capture
-    # inside capture, compressed inputs only: an eager call on this thread built cuDNN's plans
-    # for their layout (nsa_ops.compressed_sdpa.plans_built)
-    cudnn_planned: bool = False
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
     # a backward op asks: each direction is routed on its own (as xformers dispatches its forward
     # and backward ops), so a backward may run another row than its forward did
     backward: bool = False
+    # inside capture, compressed inputs only: an eager call on this thread built cuDNN's plans
+    # for their layout (nsa_ops.compressed_sdpa.plans_built)
+    cudnn_planned: bool = False
 
     @staticmethod
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False,
