@@ -58,24 +58,30 @@ def test_graphed_core_step_matches_eager(T, captured, replayed):
         _assert_same(_grads(graphed, inputs, do), _grads(_core, inputs, do))
 
 
-def test_graphed_module_step_matches_eager():
+# bf16 weights, or fp32 weights under bf16 autocast (without its cast cache, as
+# make_graphed_callables asks)
+@pytest.mark.parametrize("weights,autocast", [(torch.bfloat16, False), (torch.float32, True)],
+                         ids=["bf16", "autocast"])
+def test_graphed_module_step_matches_eager(weights, autocast):
     torch.manual_seed(0)
     cfg = nsa_ops.NSAConfig(hidden_size=1024, num_heads=16, num_kv_heads=2, head_dim_qk=64,
                             head_dim_v=64)
-    layer = nsa_ops.NSAAttention(cfg).cuda().to(torch.bfloat16)
+    layer = nsa_ops.NSAAttention(cfg).cuda().to(weights)
     with torch.no_grad():  # gates away from their initial 0.5 so that every branch matters
         layer.gate[-1].weight.normal_(0, 0.02)
     T = 2048
-    x = torch.randn(1, T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16,
-                    requires_grad=True)
-    eager = nsa_ops.NSAAttention(cfg).cuda().to(torch.bfloat16)
+    x = torch.randn(1, T, cfg.hidden_size, device="cuda", dtype=weights, requires_grad=True)
+    eager = nsa_ops.NSAAttention(cfg).cuda().to(weights)
     eager.load_state_dict(layer.state_dict())
-    graphed = torch.cuda.make_graphed_callables(layer, (x.detach().clone().requires_grad_(),))
-    do = torch.randn(1, T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    cast = lambda: torch.autocast("cuda", torch.bfloat16, enabled=autocast, cache_enabled=False)
+    with cast():
+        graphed = torch.cuda.make_graphed_callables(layer, (x.detach().clone().requires_grad_(),))
+    do = torch.randn(1, T, cfg.hidden_size, device="cuda", dtype=weights)
     for module in (graphed, eager):
         module.zero_grad(set_to_none=True)
-    got = _grads(graphed, [x], do)
-    want = _grads(eager, [x], do)
+    with cast():
+        got = _grads(graphed, [x], do)
+        want = _grads(eager, [x], do)
     _assert_same(got, want)
     params = dict(eager.named_parameters())
     for name, p in layer.named_parameters():
