@@ -2,6 +2,8 @@
 the host out of short sequences' steps (at 2k-4k tokens the eager step's host time is 2-3x its
 GPU time): replays give the eager step's output and gradients, for the functional core, packed
 sequences whose lengths change between capture and replay, and the NSAAttention module."""
+import gc
+
 import pytest
 import torch
 
@@ -10,6 +12,19 @@ from nsa_ops import reference as R, routing
 from helpers import cu_seqlens, gates, qkv, rel_err
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _collect_graphs():
+    """A graphed callable keeps its graphs in a reference cycle (its autograd Function's class),
+    which only the cyclic GC frees: if a collection starts inside a later test's capture (a first
+    call there compiles kernels, allocating plenty), releasing those graphs there can invalidate
+    the capture (seen once, on a fresh H100: "operation failed due to a previous error during
+    capture"). Collect each test's graphs when it ends."""
+    yield
+    gc.collect()
+    torch.cuda.synchronize()
+
 
 # bf16 outputs of the same kernels; dk / dv differ by the order of the selection backward's fp32
 # atomic adds (about 1e-5 relative), wrong results by O(1)
