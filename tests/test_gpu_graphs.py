@@ -130,3 +130,14 @@ def test_capture_runs_cudnn_where_an_eager_call_built_its_plans():
     replayed = captured()
     assert chosen == ["triton", "cudnn"]
     assert torch.equal(replayed, eager)
+
+
+def test_graphed_step_is_bitwise_eager_under_deterministic_algorithms(deterministic):
+    """With torch.use_deterministic_algorithms(True) every backward adds in a fixed order, so a
+    replay is the eager step bit for bit."""
+    T = 4096
+    graphed = torch.cuda.make_graphed_callables(_core, tuple(_inputs(T, 5)))
+    inputs = _inputs(T, 7)
+    do = torch.randn(1, T, 64, 128, device="cuda", dtype=torch.bfloat16)
+    for got, want in zip(_grads(graphed, inputs, do), _grads(_core, inputs, do)):
+        assert torch.equal(got, want)
