@@ -8,9 +8,9 @@ bf16 on one CUDA device, at the geometry of bench/geometry.py (default: the spec
   nsa_fla_cfg  our NSA in fla's configuration (l=d=l'=64, n=16, no window branch)
   sdpa_causal  torch scaled_dot_product_attention, causal, GQA
   nsa_full_graphed  nsa_full as CUDA graphs (torch.cuda.make_graphed_callables, one capture per
-               length): its kernels replayed without the host's Python and launch time (inside
-               capture the compressed branch runs the Triton kernel, not cuDNN); its peak
-               memory counts the graphs' private pool
+               length): its kernels replayed without the host's Python and launch time (the
+               capture runs cuDNN's compressed attention, whose plans its warm-up built); its
+               peak memory counts the graphs' private pool
   nsa_full_deterministic  nsa_full under torch.use_deterministic_algorithms(True): its backward
                adds partial dk/dv in a fixed order (kernels/ordered.py), bitwise reproducible
   *_compiled   the two NSA methods under torch.compile (selection lowers to nsa_ops.lowering's
