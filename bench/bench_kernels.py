@@ -5,13 +5,18 @@ bench/geometry.py, by default the spec's).
                                   [geometry flags | --config FILE.yaml]
 
 FLOPs count the useful work (causally visible pairs): 2*(Dk+Dv) per (query head, key) for
-forward, 5*(Dk+Dv) for backward (QK^T, dP, dQ, dK, dV, i.e. 2.5x the forward). Prints a table;
+forward, 5*(Dk+Dv) for backward (QK^T, dP, dQ, dK, dV, i.e. 2.5x the forward). fwd_ms / bwd_ms
+(and the FLOP/s) are the GPU's time for the call's kernels, the host enqueueing it ahead
+(`median_gpu_ms`); *_ms_from_idle are triton's do_bench medians, which also count the host's
+latency to the first launch (`median_ms_from_idle`). Prints a table;
 writes kernels.csv into --out. Compressed attention is timed both as the Triton kernel and through
 cuDNN (nsa_ops.compressed_sdpa), which the routing table picks from CUDNN_COMPRESSED_MIN_ROWS on,
 at the geometry's (l, d) and at fla's (l = d = l' = 64, n = 16).
 """
 from __future__ import annotations
 
+import functools
+import time
 from pathlib import Path
 
 import torch
@@ -23,9 +28,50 @@ from bench_prefill import run_header
 from selection_floor import selection_loads
 
 
-def median_ms(fn, reps=10):
+def median_ms_from_idle(fn, reps=10):
+    """triton's do_bench median: each call starts on a cold L2 and an idle GPU, so its time also
+    holds the host's latency to the call's first launch (checks, routing, launch)."""
     import triton.testing
     return triton.testing.do_bench(fn, warmup=5, rep=reps * 20, return_mode="median")
+
+
+@functools.cache
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles torch.cuda._sleep spins per millisecond, timed once."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # ramps the clock first
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    return 10_000_000 / start.elapsed_time(end)
+
+
+def median_gpu_ms(fn, budget_ms=200.0, warmup=5):
+    """Median GPU time of fn's work: each call starts on a cold L2 (a 256 MB write, as do_bench)
+    behind a GPU sleep that outlasts the host's enqueueing of the call, so that the events
+    bracket its kernels alone (`median_ms_from_idle` adds the host's latency to the first
+    launch). Calls for about budget_ms of GPU time, 10 to 500 of them."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    host_start = time.perf_counter()
+    fn()
+    host_ms = (time.perf_counter() - host_start) * 1e3
+    torch.cuda.synchronize()
+    cycles = int((1.5 * host_ms + 0.2) * _sleep_cycles_per_ms())
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")
+    times = []
+    while len(times) < 10 or (sum(times) < budget_ms and len(times) < 500):
+        flush.zero_()
+        torch.cuda._sleep(cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def random_selection(T, n, sel_block, kv_heads, batch, device, run=1):
@@ -73,14 +119,17 @@ def bench_length(cfg: NSAConfig, B: int, T: int, kernels: list[str], rows: list[
     dims = cfg.head_dim_qk + cfg.head_dim_v
 
     def record(name, fwd, bwd, pairs):
-        t_f = median_ms(fwd)
-        t_b = median_ms(bwd) if bwd else float("nan")
+        t_f = median_gpu_ms(fwd)
+        t_b = median_gpu_ms(bwd) if bwd else float("nan")
+        idle_f = median_ms_from_idle(fwd)
+        idle_b = median_ms_from_idle(bwd) if bwd else float("nan")
         tf_f = 2 * dims * pairs / t_f / 1e9
         tf_b = 5 * dims * pairs / t_b / 1e9 if bwd else float("nan")
         rows.append(dict(kernel=name, T=T, fwd_ms=t_f, bwd_ms=t_b, fwd_tflops=tf_f,
-                         bwd_tflops=tf_b))
+                         bwd_tflops=tf_b, fwd_ms_from_idle=idle_f, bwd_ms_from_idle=idle_b))
         print(f"{name:24s} T={T:6d} fwd {t_f:8.2f} ms {tf_f:6.0f} TFLOP/s | bwd {t_b:8.2f} ms "
-              f"{tf_b:6.0f} TFLOP/s", flush=True)
+              f"{tf_b:6.0f} TFLOP/s | from an idle GPU {idle_f:8.2f} / {idle_b:8.2f} ms",
+              flush=True)
 
     if "selection" in kernels:
         from nsa_ops.kernels import selection as S

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 import geometry
-from bench_kernels import median_ms
+from bench_kernels import median_ms_from_idle
 from bench_prefill import run_header
 from nsa_ops.results import new_figure, save_figure, write_csv
 
@@ -73,7 +73,7 @@ def measure(size_mb: int, heads: int, D: int, BN: int) -> list[dict]:
 
     def record(loads, launch, fn):
         rows.append(dict(size_mb=size_mb, layout=layout, loads=loads, num_warps=launch[0],
-                         num_stages=launch[1], tb_per_s=gigabytes / median_ms(fn)))
+                         num_stages=launch[1], tb_per_s=gigabytes / median_ms_from_idle(fn)))
 
     for warps, stages in POINTER_LAUNCHES:
         record("pointer", (warps, stages), lambda: _pointer_kernel[(programs,)](

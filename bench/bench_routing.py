@@ -23,7 +23,7 @@ from nsa_ops import routing
 from nsa_ops.kernels.selection import selection_attention_fwd
 from nsa_ops.packed import selection_attention_packed
 from nsa_ops.results import new_figure, save_figure, write_csv
-from bench_kernels import median_ms, random_selection, spec_inputs
+from bench_kernels import median_ms_from_idle, random_selection, spec_inputs
 from bench_prefill import run_header
 
 IMPLS = {"triton": selection_attention_fwd, "packed_sdpa": selection_attention_packed}
@@ -88,7 +88,7 @@ def main() -> None:
             q, k, v, _ = spec_inputs(geo, B, T)
             idx = random_selection(T, geo.num_sel, geo.sel_block, geo.num_kv_heads, B, "cuda")
             for name, fn in IMPLS.items():
-                ms = median_ms(lambda: fn(q, k, v, idx, geo.sel_block, geo.scale))
+                ms = median_ms_from_idle(lambda: fn(q, k, v, idx, geo.sel_block, geo.scale))
                 rows.append(dict(impl=name, B=B, T=T, fwd_ms=ms))
     print(f"\n{'impl':12s} {'B':>3s} {'T':>6s} {'fwd ms':>9s}")
     for r in rows:
