@@ -24,7 +24,7 @@ import torch
 import geometry
 from nsa_ops import NSAConfig, reference
 from nsa_ops.results import write_csv
-from bench_prefill import run_header
+from bench_prefill import event_ms, run_header
 from selection_floor import selection_loads
 
 
@@ -65,12 +65,7 @@ def median_gpu_ms(fn, budget_ms=200.0, warmup=5):
     while len(times) < 10 or (sum(times) < budget_ms and len(times) < 500):
         flush.zero_()
         torch.cuda._sleep(cycles)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_ms(fn))
     return sorted(times)[len(times) // 2]
 
 

@@ -128,15 +128,18 @@ def median_ms(fn, warmup_s=0.25, reps=10) -> float:
         fn()
         torch.cuda.synchronize()
         calls += 1
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [event_ms(fn) for _ in range(reps)]
     return sorted(times)[len(times) // 2]
+
+
+def event_ms(fn) -> float:
+    """ms between CUDA events recorded around one call of fn, synced after it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
 
 
 def measure(method, cfg: nsa_ops.NSAConfig, B: int, T: int, compare_with=None) -> dict:
