@@ -239,16 +239,17 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, SEQ, POS, CMP_CU,
 def _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, VSTART, L: tl.constexpr, STRIDE: tl.constexpr,
                  VARLEN: tl.constexpr):
     """Tokens [first, end) that see compressed row c: its sequence's queries from the one at key
-    position i*d + l - 1 on. VSTART[s] = CU[s] - (keys - queries of s): the query index of key
-    position 0, so queries at the end of longer keys see rows from their first token on."""
+    position i*d + l - 1 on, and the first token of that sequence. VSTART[s] = CU[s] - (keys -
+    queries of s): the query index of key position 0, so queries at the end of longer keys see
+    rows from their first token on."""
     if VARLEN:
         seq = tl.load(KSEQ + c, mask=cvalid, other=0)
         idx = tl.load(KIDX + c, mask=cvalid, other=0)
         seq_start = tl.load(CU + seq, mask=cvalid, other=0)
         seq_end = tl.load(CU + seq + 1, mask=cvalid, other=0)
         view_start = tl.load(VSTART + seq, mask=cvalid, other=0)
-        return tl.maximum(view_start + idx * STRIDE + L - 1, seq_start), seq_end
-    return c * STRIDE + L - 1, tl.zeros_like(c) + T
+        return tl.maximum(view_start + idx * STRIDE + L - 1, seq_start), seq_end, seq_start
+    return c * STRIDE + L - 1, tl.zeros_like(c) + T, tl.zeros_like(c)
 
 
 @triton.jit
@@ -312,22 +313,26 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, DK_OUT, DV_OUT, SEQ, POS, CMP_CU
     cvalid = c < NC
     k = _load_keys(K + b * skb + kvh * skh, c, skn, DK, DK_PAD, cvalid)
     v = _load_keys(V + b * svb + kvh * svh, c, svn, DV, DV_PAD, cvalid)
-    first, end = _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, VSTART, L, STRIDE, VARLEN)
+    first, end, seq_start = _key_viewers(c, cvalid, T, KSEQ, KIDX, CU, VSTART, L, STRIDE, VARLEN)
 
-    # token tiles from q_start: [q_start, full_lo) masked, then whole tiles inside
-    # [full_lo, full_hi) (every token sees every key of the tile) unmasked, then the rest masked
-    q_start = tl.min(tl.where(cvalid, first, T), 0)
+    # token tiles on the TOK grid from token 0: [q_start, full_lo) masked, then whole tiles
+    # inside [full_lo, full_hi) (every token sees every key of the tile) unmasked, then the rest
+    # masked
+    q_start = tl.min(tl.where(cvalid, first, T), 0) // TOK * TOK
     q_end = tl.max(tl.where(cvalid, end, 0), 0)
     full_lo = tl.max(tl.where(cvalid, first, 0), 0)
     full_hi = tl.min(tl.where(cvalid, end, T), 0)
     n_pre = tl.cdiv(tl.maximum(full_lo - q_start, 0), TOK)
     mid_lo = q_start + n_pre * TOK
     mid_hi = mid_lo + tl.maximum(full_hi - mid_lo, 0) // TOK * TOK
-    # this program's share of the viewing tokens: split starts stay on q_start's TOK grid, so
-    # the masked / unmasked phase boundaries above still fall on tile edges
-    share = tl.cdiv(tl.cdiv(tl.maximum(q_end - q_start, 0), NSPLIT), TOK) * TOK
-    s_lo = q_start + split * share
-    s_hi = tl.minimum(s_lo + share, q_end)
+    # this program's share of the viewing tokens: split s takes those in [s, s + 1) * share from
+    # the start of the tile's sequence, the same tokens for every key tile of that sequence, so
+    # that the key tiles of a head, launched together, read the same Q / dO rows together (split
+    # starts on the TOK grid keep the phase boundaries above on tile edges)
+    origin = tl.min(tl.where(cvalid, seq_start, T), 0) // TOK * TOK
+    share = tl.cdiv(tl.cdiv(tl.maximum(q_end - origin, 0), NSPLIT), TOK) * TOK
+    s_lo = tl.maximum(origin + split * share, q_start)
+    s_hi = tl.minimum(origin + split * share + share, q_end)
 
     qp, dop = Q + b * sqb, DO + b * sdb
     lsep, deltap, gatep = LSE + b * T * HQ, DELTA + b * T * HQ, GATE + b * T * HQ
@@ -968,13 +973,22 @@ def _dkdv_splits(programs: int, T: int, tok: int, device) -> int:
 
     One program per key tile leaves most SMs idle at long T (64k tokens, l=d=64, H=4: 128
     programs, each walking up to 64k * G query rows). Splitting the viewing tokens gives about
-    four waves; each split adds its partial sums with fp32 atomics, or in split order under
-    torch.use_deterministic_algorithms(True).
+    eight programs per SM, of which about half have tokens in their range (a split is a range of
+    the sequence, which later key tiles see less of); each split adds its partial sums with fp32
+    atomics, or in split order under torch.use_deterministic_algorithms(True). H100, bf16, D =
+    128, HQ = 64, H = 4, backward ms, two interleaved rounds (`.gpu`-style script), programs per
+    SM (cap on splits): at l = 32, d = 16, T = 8k / 16k / 32k / 64k, 4 (64) 0.843 / 2.72-2.73 /
+    9.44 / 35.9-36.2, 8 (128) 0.817 / 2.51-2.52 / 8.73 / 32.3-32.9, 16 (128) 0.874 / 2.48-2.49 /
+    8.51-8.57 / 31.4-31.6, 16 (256) 0.874 / 2.47 / 8.56-8.61 / 31.3-31.5, against 0.862 / 2.78 /
+    9.70 / 35.9-36.5 for 4 (64) when splits were shares of each key tile's own viewers; at l = d
+    = 64, 16k / 32k / 64k / 128k, 8 (128) 1.07 / 2.86-2.90 / 9.86-9.90 / 34.6-34.9, 8 (64) 1.04 /
+    2.94-2.96 / 9.80-9.85 / 35.0-35.4, 16 (128) 1.07 / 2.99-3.01 / 9.68 / 33.4, against 1.12 /
+    3.21-3.25 / 10.7-10.9 / 38.9-39.2 before.
     """
     if device.type != "cuda" or not isinstance(programs, int):
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, min(triton.cdiv(4 * sms, programs), 64))
+    want = max(1, min(triton.cdiv(8 * sms, programs), 128))
     # a symbolic T (dynamic-length trace) must not pick a grid dimension: splits past the query
     # tokens are empty programs, never wrong ones
     return min(want, triton.cdiv(T, 4 * tok)) if isinstance(T, int) else want

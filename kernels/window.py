@@ -189,8 +189,14 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, GATE, START, KEYPOS, ROWS
                      DK: tl.constexpr, DV: tl.constexpr, BLOCK_DK: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      PRECISION: tl.constexpr, VARLEN: tl.constexpr, TMA: tl.constexpr,
-                     KEYS_AS_ROWS: tl.constexpr, HAS_GATE: tl.constexpr):
+                     KEYS_AS_ROWS: tl.constexpr, ROTATE_ROWS: tl.constexpr,
+                     HAS_GATE: tl.constexpr):
     """dK, dV of one key tile, summed over all G query heads of its group (no atomics).
+    ROTATE_ROWS: step i visits the span's row tile whose index is i modulo the span's tile
+    count, not its i-th: programs of neighbouring key tiles (launched together) then read the
+    same Q / dO tiles at the same step, from L2, where in order they reach them BLOCK_N * G /
+    BLOCK_M steps apart, after the other programs' loads have evicted them (spec geometry: 135
+    MB of Q / dO in between; `TileConfig.rotate_rows_from` says from which length it pays).
     KEYS_AS_ROWS: the scores are kept transposed, [keys, rows], so P^T and dS^T feed the dV and
     dK dots from registers and Q / dO stay in shared memory; as [rows, keys] P and dS go through
     shared memory to be transposed, twice a step, but a step holds fewer registers
@@ -221,7 +227,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, GATE, START, KEYPOS, ROWS
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, hi = _row_span(ROWSPAN, n0, T, G, W, OFF, BLOCK_M, BLOCK_N, VARLEN)
-    for r0 in range(lo, hi, BLOCK_M):
+    n_tiles = tl.cdiv(hi - lo, BLOCK_M)
+    phase = n_tiles - (lo // BLOCK_M) % tl.maximum(n_tiles, 1)
+    for i in range(0, n_tiles):
+        if ROTATE_ROWS:
+            r0 = lo + (i + phase) % n_tiles * BLOCK_M
+        else:
+            r0 = lo + i * BLOCK_M
         # rows map to (token, head) by // and % G, so their offsets are recomputed per tile
         rows = r0 + tl.arange(0, BLOCK_M)
         ok = rows < T * G
@@ -363,6 +375,9 @@ class TileConfig:
     num_stages: int
     # the dK dV kernel only: its scores as [keys, rows] (`_bwd_dkdv_kernel`'s KEYS_AS_ROWS)
     keys_as_rows: bool = False
+    # the dK dV kernel only: from this many query tokens on it walks its rows rotated
+    # (`_bwd_dkdv_kernel`'s ROTATE_ROWS); None: never (unmeasured)
+    rotate_rows_from: Optional[int] = None
 
 
 class Tiles(NamedTuple):
@@ -425,7 +440,8 @@ _GPU_TILES = (
     (512, Tiles(TileConfig(128, 32, 4, 3), TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3),
                 fwd_tma=TileConfig(128, 64, 4, 2), dq_tma=TileConfig(128, 32, 4, 3),
                 dkdv_tma=TileConfig(64, 64, 4, 3),
-                dkdv_tma_wide=TileConfig(64, 128, 8, 3, keys_as_rows=True),
+                dkdv_tma_wide=TileConfig(64, 128, 8, 3, keys_as_rows=True,
+                                         rotate_rows_from=16384),
                 dkdv_fp32=TileConfig(32, 64, 4, 2))),
     (768, Tiles(TileConfig(128, 64, 8, 3), TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2),
                 fwd_tma=TileConfig(128, 64, 8, 3), dq_tma=TileConfig(128, 64, 8, 2),
@@ -568,6 +584,10 @@ def _kernel_meta(q: Tensor, k: Tensor, v: Tensor, kernel: str) -> dict:
                 num_stages=cfg.num_stages)
     if kernel.startswith("dkdv"):
         meta["KEYS_AS_ROWS"] = cfg.keys_as_rows
+        # a symbolic length (a dynamic-length trace) keeps the order
+        T = q.shape[1]
+        meta["ROTATE_ROWS"] = cfg.rotate_rows_from is not None and isinstance(T, int) and \
+            T >= cfg.rotate_rows_from
     return meta
 
 

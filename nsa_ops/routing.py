@@ -275,12 +275,14 @@ def decode_geometry_refusal(geometry: DecodeGeometry) -> Optional[str]:
 # sm90's value.
 TRITON_SELECTION_MIN_SEQLEN = {(8, 0): 0, (9, 0): 0, (10, 0): 0}
 
-# Compressed attention runs through cuDNN from this many queries per residue (T / d) on. Measured
-# with `bench/bench_kernels.py --seqlens 8192 16384 32768 65536 --kernels compressed` on an H200
-# (bench/results/compressed_routing.csv), bwd ms Triton vs cuDNN: at T/d = 512 Triton wins for
-# l=32, d=16 (0.96 vs 1.10) and l=d=64 (3.65 vs 3.97); at T/d = 1024 cuDNN does (2.97 vs 2.66,
-# 11.66 vs 10.27) with forwards within 1%; at 4096 (64k, l=32, d=16) 37.6 vs 26.1.
-CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 1024}
+# Compressed attention runs through cuDNN from this many queries per residue (T / d) on. H100,
+# bf16, D = 128, HQ = 64, H = 4, forward + backward ms, Triton / cuDNN, since the Triton dK dV
+# kernel's splits became ranges of the sequence (kernels/compressed.py `_dkdv_splits`; `.gpu`-style
+# script, two rounds): l = 32, d = 16 at T/d = 512 (8k) 1.08 / 1.66, 1024 (16k) 3.36 / 3.58-3.63,
+# 2048 (32k) 11.58 / 10.34-10.63, 4096 (64k) 42.4-43.0 / 34.1-35.4; l = d = 64 at 256 (16k) 1.43 /
+# 2.60, 512 (32k) 3.87-3.91 / 5.59, 1024 (64k) 13.26-13.30 / 13.74-14.21, 2048 (128k) 46.1-46.3 /
+# 40.7-42.7. Before, on an H200 (bench/results/compressed_routing.csv), cuDNN won from 1024.
+CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 2048}
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import torch
 
-from nsa_ops import reference
+from nsa_ops import reference, routing
 
 # Small NSA geometry that keeps every branch non-trivial at T ~ 50-100: l=16, d=8, l'=16.
 SMALL = dict(block_len=16, block_stride=8, sel_block=16, num_sel=3)
+# the shortest sequence whose compressed attention (l = 32, d = 16) sm90 routes to cuDNN
+CUDNN_COMPRESSED_T = 16 * routing.CUDNN_COMPRESSED_MIN_ROWS[(9, 0)]
 
 # Per-dtype tolerances (atol, rtol) for comparisons against the reference.
 TOL = {torch.float64: (1e-10, 1e-8), torch.float32: (2e-5, 1e-4),

@@ -20,10 +20,9 @@ def _inputs():
 
 
 def _calls(q, k, v):
-    """op name -> a function of (q, k, v, gates). T / d = 1024 rows would take cuDNN for compressed
-    attention, but routing refuses it in this mode (its backward differed bitwise between runs):
-    the Triton kernel runs, its dk/dv splits adding in order. The window takes FA-2, or the forced
-    Triton kernel."""
+    """op name -> a function of (q, k, v, gates). Compressed attention runs the Triton kernel, its
+    dk/dv splits adding in order (routing refuses cuDNN in this mode at any length: its backward
+    differed bitwise between runs). The window takes FA-2, or the forced Triton kernel."""
     scale, nsa = Dh ** -0.5, torch.ops.nsa
     k_cmp, v_cmp = R.compress_mean(k, L, D), R.compress_mean(v, L, D)
     _, lse = nsa.compressed_attention(q, k_cmp, v_cmp, L, D, scale)

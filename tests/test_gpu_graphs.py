@@ -11,7 +11,7 @@ import torch
 
 import nsa_ops
 from nsa_ops import reference as R, routing
-from helpers import cu_seqlens, gates, qkv, rel_err
+from helpers import CUDNN_COMPRESSED_T, cu_seqlens, gates, qkv, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -59,12 +59,12 @@ def _assert_same(got, want):
         assert rel_err(a, b) < TOL, f"output {i}: relative error {rel_err(a, b):.2e}"
 
 
-# the capture's lengths, then the replay's: a graph must read cu_seqlens on the device; 16384:
-# T / d = 1024, compressed attention through cuDNN, inside the capture too
+# the capture's lengths, then the replay's: a graph must read cu_seqlens on the device;
+# CUDNN_COMPRESSED_T: compressed attention through cuDNN, inside the capture too
 @pytest.mark.parametrize("T,captured,replayed", [
     (2048, None, None),
     (4096, None, None),
-    (16384, None, None),
+    (CUDNN_COMPRESSED_T, None, None),
     (3000, (1000, 37, 1963), (64, 2500, 436)),
 ])
 def test_graphed_core_step_matches_eager(T, captured, replayed):
@@ -109,7 +109,7 @@ def test_capture_runs_cudnn_where_an_eager_call_built_its_plans():
     """Inside a capture cuDNN serves compressed attention only for a layout an eager call on this
     thread ran before (its first call would allocate while building the plan); the Triton kernel
     otherwise. A layout no other test uses, so that the first capture comes before any call."""
-    T = 16400  # T / d = 1025 rows: cuDNN's side of the routing threshold
+    T = CUDNN_COMPRESSED_T + 16  # a row past the routing threshold: cuDNN's side
     q, k, v = qkv(1, T, 8, 2, 64, 64, torch.bfloat16, seed=2, device="cuda")
     g = [x.cuda() for x in gates(1, T, 8, torch.bfloat16)]
     v_cmp = R.compress_mean(v, 32, 16)  # laid out as the layer's

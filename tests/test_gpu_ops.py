@@ -5,7 +5,7 @@ import torch
 import nsa_ops
 from nsa_ops import reference as R, routing
 from nsa_ops.kernels import selection
-from helpers import cu_seqlens, gates, qkv, rel_err
+from helpers import CUDNN_COMPRESSED_T, cu_seqlens, gates, qkv, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -89,13 +89,13 @@ def test_matches_fla_naive_nsa():
     assert rel_err(ours, theirs) < 1e-4
 
 
-# 16384: T/d = 1024 routes compressed attention to cuDNN (nsa_ops.compressed_sdpa)
-@pytest.mark.parametrize("T", [2048, 16384])
+# CUDNN_COMPRESSED_T routes compressed attention to cuDNN (nsa_ops.compressed_sdpa)
+@pytest.mark.parametrize("T", [2048, CUDNN_COMPRESSED_T])
 def test_cuda_graph_capture_forward(T):
     HQ, H, D = 16, 2, 64
     q, k, v = qkv(1, T, HQ, H, D, D, torch.bfloat16, seed=1, device="cuda")
     g = [x.cuda() for x in gates(1, T, HQ, torch.bfloat16)]
-    if T == 16384 and torch.cuda.get_device_capability() == (9, 0):
+    if T == CUDNN_COMPRESSED_T and torch.cuda.get_device_capability() == (9, 0):
         x = routing.Inputs.of_compressed(q, v, 32, 16)
         assert routing.choose("compressed_attention", x).impl == "cudnn"
     eager = nsa_ops.nsa_attention(q, k, v, *g)
@@ -109,8 +109,8 @@ def test_cuda_graph_capture_forward(T):
         out = nsa_ops.nsa_attention(q, k, v, *g)
     graph.replay()
     torch.cuda.synchronize()
-    # the capture runs the eager call's kernels, cuDNN's at 16k too (the warm-up on this thread
-    # built its plans): replay is bitwise the eager call
+    # the capture runs the eager call's kernels, cuDNN's at CUDNN_COMPRESSED_T too (the warm-up
+    # on this thread built its plans): replay is bitwise the eager call
     assert torch.equal(out, eager)
 
 

@@ -11,7 +11,7 @@ import torch
 import nsa_ops  # noqa: F401  (registers torch.ops.nsa)
 from nsa_ops import reference as R
 from nsa_ops.kernels import compressed as cmp_kernels, selection as sel_kernels, window
-from helpers import qkv, rel_err
+from helpers import CUDNN_COMPRESSED_T, qkv, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -83,8 +83,8 @@ def test_window_triton_head_major_past_int32(big_inputs):
     assert torch.equal(o, o_hm) and torch.equal(lse, lse_hm)
 
 
-# 16384: T/d = 1024 sends compressed attention through cuDNN on sm90
-@pytest.mark.parametrize("T", [3000, 16384])
+# CUDNN_COMPRESSED_T sends compressed attention through cuDNN on sm90
+@pytest.mark.parametrize("T", [3000, CUDNN_COMPRESSED_T])
 def test_first_call_inside_cuda_graph_capture(T):
     """No autotuning on a first call: a fresh process may capture the ops before running them."""
     script = textwrap.dedent(f"""

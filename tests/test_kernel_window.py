@@ -168,6 +168,33 @@ def test_triton_dkdv_keys_as_rows(B, Tq, Tk, G, w, lengths, tma, monkeypatch, po
                  torch.float32)
 
 
+@pytest.mark.parametrize("B,Tq,Tk,G,w,lengths,tma,keys_as_rows", [
+    (2, 37, 37, 2, 8, None, False, False),  # the last key and row tiles run past the end
+    (1, 30, 70, 4, 20, None, True, True),  # queries at an offset, Q/dO through TMA
+    (1, 100, 100, 2, 40, (13, 1, 36, 50), True, False),  # windows stop at sequence boundaries
+    (2, 80, 80, 2, 40, None, False, True),  # interior tiles skip the band mask
+])
+def test_triton_dkdv_rotated_rows(B, Tq, Tk, G, w, lengths, tma, keys_as_rows, monkeypatch,
+                                  poisoned_empty):
+    """The dK dV kernel walking its row tiles rotated (`TileConfig.rotate_rows_from`, which GPU
+    tiles take from a measured length on), in both score forms, at the interpreter's tile; the
+    launch rotates from that length on only."""
+    tile = dataclasses.replace(win._INTERPRETER_TILES, keys_as_rows=keys_as_rows,
+                               rotate_rows_from=Tq)
+    monkeypatch.setattr(win, "_INTERPRETER_TILES", tile)
+    q, k, v, do, dlse = _inputs(B, Tk, H, G, 16, 32, torch.float32, seed=Tk + G + 1)
+    q, do, dlse = q[:, Tk - Tq:], do[:, Tk - Tq:], dlse[:, Tk - Tq:]
+    assert win._kernel_meta(q, k, v, "dkdv")["ROTATE_ROWS"]
+    assert not win._kernel_meta(q[:, 1:], k, v, "dkdv")["ROTATE_ROWS"]
+    cu = None if lengths is None else torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    scale = 16 ** -0.5
+    o, lse = win.sliding_window_fwd(q, k, v, w, scale, cu, backend="triton")
+    grads = win.sliding_window_bwd(q, k, v, o, lse, do, dlse, w, scale, cu, backend="triton",
+                                   tma=tma)
+    _check_close((o, lse, *grads), _reference(q, k, v, do, dlse, w, scale, cu, torch.float64),
+                 torch.float32)
+
+
 @pytest.mark.parametrize("B,Tq,Tk,G,Dk,Dv,w,lengths", [
     (2, 37, 37, 2, 32, 16, 8, None),  # the last key and row tiles run past the end; two box widths
     (1, 30, 70, 4, 16, 16, 20, None),  # queries at an offset
