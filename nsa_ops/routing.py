@@ -281,8 +281,10 @@ TRITON_SELECTION_MIN_SEQLEN = {(8, 0): 0, (9, 0): 0, (10, 0): 0}
 # script, two rounds): l = 32, d = 16 at T/d = 512 (8k) 1.08 / 1.66, 1024 (16k) 3.36 / 3.58-3.63,
 # 2048 (32k) 11.58 / 10.34-10.63, 4096 (64k) 42.4-43.0 / 34.1-35.4; l = d = 64 at 256 (16k) 1.43 /
 # 2.60, 512 (32k) 3.87-3.91 / 5.59, 1024 (64k) 13.26-13.30 / 13.74-14.21, 2048 (128k) 46.1-46.3 /
-# 40.7-42.7. Before, on an H200 (bench/results/compressed_routing.csv), cuDNN won from 1024.
-CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 2048}
+# 40.7-42.7; at 1536 (24k, and 96k at l = d = 64; the Triton backward working out its delta
+# there, 0.27 / 1.05 ms of it, which the layer hands it) 7.19-7.21 / 6.49-7.05 and 28.6-29.0 /
+# 25.9-26.4. Before, on an H200 (bench/results/compressed_routing.csv), cuDNN won from 1024.
+CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 1536}
 
 
 @dataclass(frozen=True)
