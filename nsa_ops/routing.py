@@ -275,16 +275,22 @@ def decode_geometry_refusal(geometry: DecodeGeometry) -> Optional[str]:
 # sm90's value.
 TRITON_SELECTION_MIN_SEQLEN = {(8, 0): 0, (9, 0): 0, (10, 0): 0}
 
-# Compressed attention runs through cuDNN from this many queries per residue (T / d) on. H100,
-# bf16, D = 128, HQ = 64, H = 4, forward + backward ms, Triton / cuDNN, since the Triton dK dV
-# kernel's splits became ranges of the sequence (kernels/compressed.py `_dkdv_splits`; `.gpu`-style
-# script, two rounds): l = 32, d = 16 at T/d = 512 (8k) 1.08 / 1.66, 1024 (16k) 3.36 / 3.58-3.63,
-# 2048 (32k) 11.58 / 10.34-10.63, 4096 (64k) 42.4-43.0 / 34.1-35.4; l = d = 64 at 256 (16k) 1.43 /
-# 2.60, 512 (32k) 3.87-3.91 / 5.59, 1024 (64k) 13.26-13.30 / 13.74-14.21, 2048 (128k) 46.1-46.3 /
-# 40.7-42.7; at 1536 (24k, and 96k at l = d = 64; the Triton backward working out its delta
-# there, 0.27 / 1.05 ms of it, which the layer hands it) 7.19-7.21 / 6.49-7.05 and 28.6-29.0 /
-# 25.9-26.4. Before, on an H200 (bench/results/compressed_routing.csv), cuDNN won from 1024.
-CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 1536}
+# Compressed attention runs through cuDNN from this many queries per residue (T / d) on. Measured
+# with `bench/bench_kernels.py --seqlens 8192 16384 32768 65536 --kernels compressed` on an H200
+# (bench/results/compressed_routing.csv), bwd ms Triton vs cuDNN: at T/d = 512 Triton wins for
+# l=32, d=16 (0.96 vs 1.10) and l=d=64 (3.65 vs 3.97); at T/d = 1024 cuDNN does (2.97 vs 2.66,
+# 11.66 vs 10.27) with forwards within 1%; at 4096 (64k, l=32, d=16) 37.6 vs 26.1. Re-measured
+# on an H100 once the Triton dK dV kernel's splits became ranges of the sequence (`.gpu`-style
+# scripts, two or three rounds; bf16, D = 128, HQ = 64, H = 4): the ops alone, forward +
+# backward ms (the backward given its delta, as the layer gives it), Triton / cuDNN, l = 32, d =
+# 16 at T/d = 512 (8k) 1.08 / 1.66, 1024 (16k) 3.36 / 3.58-3.63, 2048 (32k) 11.58 / 10.34-10.63;
+# l = d = 64 at 512 (32k) 3.87-3.91 / 5.59, 1024 (64k) 13.26-13.30 / 13.74-14.21, 2048 (128k)
+# 46.1-46.3 / 40.7-42.7; cuDNN's forward ahead from 1024 (16k 0.80 against 0.85, 64k at l = d
+# = 64 3.06 against 3.40). The layer's synced step (bench_prefill's, l = 32, d = 16) with either
+# forced: 16k forward 6.35-6.48 (cuDNN) against 6.39-7.45, forward+backward 19.47-19.90 against
+# 19.36-19.78, 20k (T/d = 1280) 24.85-25.03 against 25.08-25.24. So 1024 stays: the backward's
+# gain there does not reach the layer's step, and the forward loses it.
+CUDNN_COMPRESSED_MIN_ROWS = {(9, 0): 1024}
 
 
 @dataclass(frozen=True)
