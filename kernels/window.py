@@ -477,6 +477,12 @@ _GPU_TILES = (
 # (32, 64, 4, 3) 6.37-6.38, (128, 64, 4, 3) 6.47-6.49, (64, 128, 8, 4) 6.91-6.95. 768- and
 # 1024-byte rows keep the [rows, keys] form: transposed at (32, 128, 8, 2), Dk = 192 / Dv = 128
 # took 5.22 ms against 6.40 at 16k, but D = 256 10.55 against 3.93 at 8k.
+# The spec's dK dV tile walks its rows rotated (`rotate_rows_from`) from 16k tokens: whole
+# backward, H100, bf16, G = 16, D = 128, three interleaved rounds, in order / rotated: 8k
+# 1.35-1.36 / 1.39 ms, 12k 2.03-2.12 / 2.06-2.10, 16k 2.72-2.84 / 2.74, 24k 4.18-4.21 / 4.12-4.15,
+# 32k 5.59-5.68 / 5.48-5.51, 48k 8.34-8.47 / 8.17-8.23, 64k 11.17-11.26 / 10.93-10.97; visiting a
+# shared row tile 1-8 steps apart instead of together read the same or slower. Other tiles keep
+# the order, unmeasured.
 WIDE_GROUP = 16
 # The CPU interpreter's cost grows with the number of tiles; these still leave several tiles
 # (and skipped ones) in the small test shapes.
