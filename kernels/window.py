@@ -228,7 +228,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, GATE, START, KEYPOS, ROWS
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     lo, hi = _row_span(ROWSPAN, n0, T, G, W, OFF, BLOCK_M, BLOCK_N, VARLEN)
     n_tiles = tl.cdiv(hi - lo, BLOCK_M)
-    phase = n_tiles - (lo // BLOCK_M) % tl.maximum(n_tiles, 1)
+    if ROTATE_ROWS:
+        phase = n_tiles - (lo // BLOCK_M) % tl.maximum(n_tiles, 1)
     for i in range(0, n_tiles):
         if ROTATE_ROWS:
             r0 = lo + (i + phase) % n_tiles * BLOCK_M
