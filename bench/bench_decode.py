@@ -36,7 +36,7 @@ import geometry
 import nsa_ops
 from nsa_ops import reference
 from nsa_ops.decode import decode_chunk
-from bench_prefill import median_ms, run_header
+from bench_prefill import event_ms, median_ms, run_header
 from nsa_ops.kernels import decode as decode_kernels
 from nsa_ops.kernels.decode import decode_attention_fwd
 from nsa_ops.results import new_figure, save_figure, write_csv
@@ -55,14 +55,7 @@ def copy_tbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, read + write bytes per second, in TB/s (median of 20)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(23):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [event_ms(lambda: dst.copy_(src)) for _ in range(23)]
     return nbytes / (sorted(times[3:])[10] * 1e-3) / 1e12
 
 
@@ -84,12 +77,7 @@ def median_replay_us(graph: torch.cuda.CUDAGraph, flush: torch.Tensor, reps: int
         # read a buffer larger than L2: the replay's K/V come from HBM, and the L2 lines it
         # evicts are clean (a write flush would add its dirty write-backs to the replay)
         flush.max()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+        times.append(event_ms(graph.replay) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
