@@ -8,7 +8,8 @@ validation, the routing table's choice, the implementation, logging and parity c
 same order, and its backward runs the backward ops' bodies and sums the branches' gradients
 itself: dq's three parts in the selection dq kernel's epilogue, which runs last
 (`ops.selection_backward_adding`; autograd's two adds took 2.09 ms at 64k, a one-pass sum 1.38),
-mean pooling's backward as `reference.compress_mean_backward` (autograd's unfold backward took
+mean pooling's backward as `reference.compress_mean_backward` computes it, on a GPU one Triton
+pass that also adds the window's dk / dv (`kernels.pooling`; autograd's unfold backward took
 0.76 ms at 64k), and the selection backward's inverse index started early on a side stream
 (`ops.selection_backward_index`), where the compressed backward hides it. Where the selection
 forward runs the Triton kernel, its epilogue writes the gated combine of the three branches
@@ -200,26 +201,34 @@ class _Layer(torch.autograd.Function):
                     plan.sel_block, plan.scale, cu_q, cu_k, routed, do_gate=g_slc_do,
                     delta=delta_slc)
             del do_slc, delta_slc
-            if plan.window:
-                dk += dk_win
-                dv += dv_win
-        _add_pool_backward(dk, dk_cmp, k, plan)
-        _add_pool_backward(dv, dv_cmp, v, plan)
+        wins = (dk_win, dv_win) if plan.window else (None, None)
+        _add_pool_backward(dk, dk_cmp, k, plan, wins[0])
+        _add_pool_backward(dv, dv_cmp, v, plan, wins[1])
         gates = (dg_cmp, dg_slc, dg_win) if ctx.gate_grads else (None,) * 3
         return (None, dq, dk, dv, *(d if need else None for d, need in
                                     zip(gates, ctx.needs_input_grad[4:7])), None)
 
 
-def _add_pool_backward(dx: Tensor, grad: Tensor, x: Tensor, plan: Plan) -> None:
-    """dx += the gradient of x from that of its mean pooling: `reference.compress_mean_backward`
-    adding into dx at fixed length with d dividing l, else autograd through the pooling done
-    again (a graph kept from the forward would be gone after one backward, and retain_graph asks
-    for more)."""
-    if plan.cu_keys is None and reference.compress_mean_backward(
-            grad, x.shape[1], plan.block_len, plan.block_stride, out=dx) is not None:
+def _add_pool_backward(dx: Tensor, grad: Tensor, x: Tensor, plan: Plan,
+                       other: Optional[Tensor]) -> None:
+    """dx += other (the window's gradient, or None), then the gradient of x from that of its
+    mean pooling: on a GPU at fixed length with d dividing l one Triton pass
+    (`kernels.pooling`, the same roundings as the torch ops, which took some 14 launches a step
+    for k and v), elsewhere `reference.compress_mean_backward` adding into dx, else autograd
+    through the pooling done again (a graph kept from the forward would be gone after one
+    backward, and retain_graph asks for more)."""
+    fixed = plan.cu_keys is None and plan.block_len % plan.block_stride == 0
+    if fixed and dx.is_cuda and routing.has_triton():
+        from nsa_ops.kernels.pooling import add_mean_pool_backward
+        add_mean_pool_backward(dx, grad, plan.block_len, plan.block_stride, other)
+        return
+    if other is not None:
+        dx += other
+    if fixed:
+        reference.compress_mean_backward(grad, x.shape[1], plan.block_len, plan.block_stride,
+                                         out=dx)
         return
     leaf = x.detach().requires_grad_()
     with torch.enable_grad():
         pooled = reference.compress_mean(leaf, plan.block_len, plan.block_stride, plan.cu_keys)
         dx += torch.autograd.grad(pooled, leaf, grad)[0]
-

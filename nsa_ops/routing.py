@@ -158,8 +158,12 @@ def _module_available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def has_triton() -> bool:
+    return _module_available("triton")
+
+
 def _needs_triton(x: Inputs) -> Optional[str]:
-    if not _module_available("triton"):
+    if not has_triton():
         return "triton is not installed (pip install nsa-ops[triton])"
     return None
 
