@@ -71,5 +71,7 @@ def add_mean_pool_backward(dx: Tensor, grad: Tensor, block_len: int, block_strid
     launch(_add_mean_pool_bwd_kernel)[(triton.cdiv(T, block_t), B)](
         dx, o, grad, *dx.stride(), *o.stride(), *grad.stride(), T, float(block_len),
         STRIDE=block_stride, SPAN=block_len // block_stride, H=H, D=D, WIDTH_PAD=width_pad,
-        BLOCK_T=block_t, HAS_OTHER=other is not None, num_warps=4)
+        BLOCK_T=block_t, HAS_OTHER=other is not None, num_warps=4,
+        # each product rounded before its sum, as torch's separate multiply and add round it
+        enable_fp_fusion=False)
     return dx
