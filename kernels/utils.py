@@ -10,8 +10,6 @@ from torch import Tensor
 from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch._subclasses.fake_tensor import is_fake
 
-from nsa_ops import env
-
 
 def traced() -> bool:
     """Whether a torch dispatch mode is active, i.e. the launch is being traced (AOTInductor's
@@ -108,101 +106,10 @@ def cuda_core_dots(dtype: torch.dtype) -> bool:
 
 
 def launch(kernel):
-    """`kernel[grid](*args, **kwargs)` as the kernels' wrappers write it: through
-    `DirectLaunch` on eager launches, through the kernel's torch.library.wrap_triton form while a
-    torch dispatch mode traces the op (AOTInductor decomposes the ops into their kernels,
-    nsa_ops.ops: the launch then becomes a graph node Inductor compiles into the package), and
-    through Triton's own dispatch under its CPU interpreter or NSA_OPS_TRITON_DISPATCH=1."""
-    if traced():
-        return torch.library.wrap_triton(kernel)
-    if env.triton_dispatch() or not hasattr(kernel, "device_caches"):
-        return kernel
-    direct = _direct.get(id(kernel))
-    if direct is None:
-        direct = _direct[id(kernel)] = DirectLaunch(kernel)
-    return direct
-
-
-# by the kernel's id: a JITFunction hashes its source's digest; each launcher holds its kernel
-_direct: dict[int, "DirectLaunch"] = {}
-
-
-class DirectLaunch:
-    """A Triton kernel launched through the compiled kernel that Triton's JIT chose for the same
-    specialization, called directly, as Inductor's generated launchers call theirs.
-
-    Triton's `JITFunction.run` works out each argument's specialization in its binder and then
-    hashes them into its cache key on every launch: on the H100 machine's host 54-59 us for the
-    window forward's 28 arguments, of which the compiled kernel's own launcher takes 23-32.
-    Here the key is what `_specialization` reads of each argument, at least as fine as Triton's
-    (tensors: dtype and 16-byte alignment; integers: equal to 1, divisible by 16, 32-bit range;
-    descriptors: dtype and box), with the constexpr values and launch options; the first launch
-    under a key goes through Triton's dispatch and keeps the kernel it returns. Arguments of
-    another type, a callable grid and pre-run hooks take Triton's dispatch every time."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.names = tuple(p.name for p in kernel.params)
-        self.params = frozenset(self.names)
-        self.constexpr = tuple(p.is_constexpr for p in kernel.params)
-        self.defaults = tuple(p.default for p in kernel.params)
-        self.compiled: dict = {}
-
-    def __getitem__(self, grid):
-        return functools.partial(self._run, grid)
-
-    def _run(self, grid, *args, **kwargs):
-        if type(grid) is not tuple or self.kernel.pre_run_hooks:
-            return self.kernel[grid](*args, **kwargs)
-        values = list(args)
-        for name, default in zip(self.names[len(args):], self.defaults[len(args):]):
-            values.append(kwargs.get(name, default))
-        device = torch.cuda.current_device()
-        try:
-            key = (device, *[v if constexpr else
-                             (v.dtype, v.data_ptr() & 15 == 0) if type(v) is Tensor else
-                             _specialization(v) for v, constexpr in zip(values, self.constexpr)],
-                   *[kv for kv in kwargs.items() if kv[0] not in self.params])
-            compiled = self.compiled.get(key)
-        except (_Unkeyed, TypeError):  # TypeError: an unhashable constexpr or option
-            return self.kernel[grid](*args, **kwargs)
-        if compiled is None:
-            self.compiled[key] = self.kernel[grid](*args, **kwargs)
-            return self.compiled[key]
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        grid3 = grid + (1,) * (3 - len(grid))
-        hooks = _triton_knobs().runtime
-        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata(grid3, stream, *values),
-                     hooks.launch_enter_hook, hooks.launch_exit_hook, *values)
-        return compiled
-
-
-@functools.cache
-def _triton_knobs():
-    from triton import knobs  # this module imports no Triton until a kernel launches
-    return knobs
-
-
-class _Unkeyed(Exception):
-    """An argument `_specialization` has no key for."""
-
-
-def _specialization(x) -> tuple:
-    """What of a launch argument may change the kernel Triton compiles for it, as a key (a plain
-    tensor's is worked out inline in `DirectLaunch._run`)."""
-    kind = type(x)
-    if kind is bool or x is None:
-        return (x,)
-    if kind is int:
-        return (int, x == 1, x & 15 == 0, -2 ** 31 <= x < 2 ** 31, x >= 2 ** 63)
-    if kind is float:
-        return (float,)
-    if isinstance(x, Tensor):
-        return (x.dtype, x.data_ptr() & 15 == 0)
-    if kind.__module__ == "triton.tools.tensor_descriptor" and isinstance(x.base, Tensor):
-        return (kind, x.base.dtype, tuple(x.block_shape))
-    raise _Unkeyed(kind)
+    """`kernel`, or its torch.library.wrap_triton form while a torch dispatch mode traces the op
+    (AOTInductor decomposes the ops into their kernels, nsa_ops.ops): the launch then becomes a
+    graph node Inductor compiles into the package. Eager launches skip the wrapper's dispatch."""
+    return torch.library.wrap_triton(kernel) if traced() else kernel
 
 
 def launch_options(num_warps: int, num_stages: int, maxnreg: int | None = None) -> dict:

@@ -21,10 +21,6 @@ NSA_OPS_PARITY          "1", or a fraction such as "0.1": recompute every round(
 NSA_OPS_EAGER_LAYER     "0": nsa_ops.nsa_attention runs through the torch.ops.nsa ops in eager mode
                         too, an autograd node per op, instead of as one node over the ops' bodies
                         (nsa_ops.eager): the same computation, more host time per call.
-NSA_OPS_TRITON_DISPATCH "1": launch every Triton kernel through Triton's own dispatch
-                        (`JITFunction.run`, which works out each argument's specialization on every
-                        launch) instead of the compiled kernel found for the arguments' key
-                        (nsa_ops.kernels.utils.DirectLaunch): the same kernels, more host time.
 TRITON_INTERPRET        Triton's own: "1" (before triton is imported) runs Triton kernels on CPU
                         tensors in its interpreter; a forced Triton row then serves CPU tensors.
                         python -m nsa_ops sets it where there is no CUDA.
@@ -38,7 +34,7 @@ from typing import Optional
 
 VARIABLES = ("NSA_OPS_FORCE_IMPL", "NSA_OPS_FORCE_IMPL_<OP>", "NSA_OPS_CHECK_VALUES",
              "NSA_OPS_LOG", "NSA_OPS_PARITY", "NSA_OPS_ROUTING", "NSA_OPS_EAGER_LAYER",
-             "NSA_OPS_TRITON_DISPATCH", "TRITON_INTERPRET", "NSA_COMMIT")
+             "TRITON_INTERPRET", "NSA_COMMIT")
 
 
 def forced_impl(op: str) -> Optional[tuple[str, str]]:
@@ -70,11 +66,6 @@ def check_values() -> bool:
 def eager_layer() -> bool:
     """Whether nsa_attention may run as one autograd node in eager mode (nsa_ops.eager)."""
     return os.environ.get("NSA_OPS_EAGER_LAYER", "1") != "0"
-
-
-def triton_dispatch() -> bool:
-    """Whether every Triton launch goes through Triton's own dispatch (nsa_ops.kernels.utils)."""
-    return os.environ.get("NSA_OPS_TRITON_DISPATCH", "0") == "1"
 
 
 def log_level() -> Optional[str]:
