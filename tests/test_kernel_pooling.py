@@ -15,7 +15,9 @@ from nsa_ops.kernels.pooling import add_mean_pool_backward
 @pytest.mark.parametrize("T", [1, 15, 100, 257])
 @pytest.mark.parametrize("dtype,grad_dtype", [(torch.float32, torch.float32),
                                               (torch.float16, torch.float32),
-                                              (torch.float16, torch.float16)], ids=str)
+                                              (torch.float16, torch.float16),
+                                              (torch.float64, torch.float64),
+                                              (torch.float32, torch.float64)], ids=str)
 @pytest.mark.parametrize("with_other", [False, True])
 def test_add_mean_pool_backward_matches_reference(block_len, block_stride, T, dtype, grad_dtype,
                                                   with_other, device="cpu"):
