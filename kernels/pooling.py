@@ -32,7 +32,7 @@ def _add_mean_pool_bwd_kernel(DX, OTHER, GRAD, sxb, sxt, sxh, sxd, sob, sot, soh
     if HAS_OTHER:
         # dx += other, rounded to dx's dtype as the in-place add rounds it
         y = tl.load(OTHER + b * sob + t64 * sot + head * soh + dim * sod, mask=inside, other=0.0)
-        x = (x.to(ACC) + y.to(ACC)).to(DX.dtype.element_ty, fp_downcast_rounding="rtne")
+        x = (x.to(ACC) + y.to(ACC)).to(DX.dtype.element_ty)
     # token t lies in rows t // d - j, j < l / d: share = grad / l in ACC (times 1 / l, as
     # torch's CUDA division by a number computes it), summed from the token's own row down, as
     # the reference's loop adds them
@@ -48,7 +48,7 @@ def _add_mean_pool_bwd_kernel(DX, OTHER, GRAD, sxb, sxt, sxh, sxd, sob, sot, soh
         earlier = inside & (row >= j)[:, None]
         g = tl.load(at_g + (row - j)[:, None] * sgt, mask=earlier, other=0.0)
         summed = tl.where(earlier, summed + g.to(ACC) * inv, summed)
-    out = (x.to(ACC) + summed).to(DX.dtype.element_ty, fp_downcast_rounding="rtne")
+    out = (x.to(ACC) + summed).to(DX.dtype.element_ty)  # rounded to nearest, as torch rounds
     tl.store(at_x, out, mask=inside)
 
 
