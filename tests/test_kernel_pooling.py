@@ -44,11 +44,14 @@ def test_add_mean_pool_backward_matches_reference(block_len, block_stride, T, dt
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_len,block_stride", [(32, 16), (48, 16), (64, 64)])
 @pytest.mark.parametrize("dtype,grad_dtype", [(torch.bfloat16, torch.bfloat16),
-                                              (torch.bfloat16, torch.float32)], ids=str)
+                                              (torch.bfloat16, torch.float32),
+                                              (torch.float32, torch.float32),
+                                              (torch.float64, torch.float64)], ids=str)
 @pytest.mark.parametrize("with_other", [False, True])
 def test_gpu_add_mean_pool_backward_matches_reference(block_len, block_stride, dtype, grad_dtype,
                                                       with_other):
-    """On CUDA, against the reference's torch ops on CUDA: bitwise, bfloat16 and l = 48 too."""
+    """On CUDA, against the reference's torch ops on CUDA: bitwise, bfloat16, float64 and l = 48
+    too."""
     for T in (257, 8192):
         test_add_mean_pool_backward_matches_reference(block_len, block_stride, T, dtype,
                                                       grad_dtype, with_other, device="cuda")
