@@ -1,8 +1,9 @@
 """Mean pooling's backward added into the keys' gradient, in one pass: what
 `reference.compress_mean_backward(grad, T, l, d, out=dx)` computes (with d dividing l, fixed
-length; float32 sums, float64 for float64 operands), optionally after dx += other (the window branch's dk / dv), bit for bit the same
-roundings in the same order. nsa_attention's eager backward ran those as some 14 torch ops a step
-for k and v (0.3 ms of the H100 host's time per 8k step, `.gpu`-style py-spy samples)."""
+length; float32 sums, float64 for float64 operands), optionally after dx += other (the window
+branch's dk / dv), bit for bit the same roundings in the same order. nsa_attention's eager
+backward ran those as some 14 torch ops a step for k and v (0.3 ms of the H100 host's time per
+8k step, `.gpu`-style py-spy samples)."""
 from __future__ import annotations
 
 from typing import Optional

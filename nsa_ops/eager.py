@@ -213,10 +213,10 @@ def _add_pool_backward(dx: Tensor, grad: Tensor, x: Tensor, plan: Plan,
                        other: Optional[Tensor]) -> None:
     """dx += other (the window's gradient, or None), then the gradient of x from that of its
     mean pooling: on a GPU at fixed length with d dividing l one Triton pass
-    (`kernels.pooling`, the same roundings as the torch ops, which took some 14 launches a step
-    for k and v), elsewhere `reference.compress_mean_backward` adding into dx, else autograd
-    through the pooling done again (a graph kept from the forward would be gone after one
-    backward, and retain_graph asks for more)."""
+    (`kernels.pooling`, the same roundings as the torch ops), elsewhere
+    `reference.compress_mean_backward` adding into dx, else autograd through the pooling done
+    again (a graph kept from the forward would be gone after one backward, and retain_graph asks
+    for more)."""
     fixed = plan.cu_keys is None and plan.block_len % plan.block_stride == 0
     if fixed and dx.is_cuda and routing.has_triton():
         from nsa_ops.kernels.pooling import add_mean_pool_backward
