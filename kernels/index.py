@@ -32,6 +32,8 @@ _TOKENS = 16  # query tokens a `_keys_kernel` program takes at most (rows of H *
 _KEY_ENTRIES = 4096  # entries a `_keys_kernel` program holds at most (many heads x slots)
 _ENTRIES = 1024  # sorted entries a `_bounds_kernel` / `_entries_kernel` program takes
 _KEYS = 1024  # keys a `_chunk_base_kernel` step sums
+# chunk ranks up to this sort as int32: the stable argsort then takes 4 radix passes, not 8
+_RANK32_MAX = 2 ** 31 - 1
 
 
 @triton.jit
@@ -143,7 +145,7 @@ def _entries_kernel(keys, order, bidx, bounds, base, ent_tok, ent_pos, ent_slot,
     tl.store(chunks + chunk * 4 + 2, bh, mask=starts)
     tl.store(chunks + chunk * 4 + 3, start + block * SEL, mask=starts)
     if TOKEN_MAJOR:
-        tl.store(rank + chunk, bh * (TK + 1) + last, mask=starts)
+        tl.store(rank + chunk, (bh * (TK + 1) + last).to(rank.dtype.element_ty), mask=starts)
 
 
 def selection_index(block_idx: Tensor, sel_block: int, Tk: int, cu_seqlens: Optional[Tensor],
@@ -191,7 +193,9 @@ def selection_index(block_idx: Tensor, sel_block: int, Tk: int, cu_seqlens: Opti
     ent_tok = torch.empty(E, dtype=torch.int32, device=device)
     ent_pos = torch.empty(E, dtype=torch.int32, device=device)
     ent_slot = torch.empty(E, dtype=torch.int32, device=device) if with_slots else None
-    rank = torch.full((P,), B * H * (Tk + 1), dtype=torch.int64, device=device) if token_major \
+    last_rank = B * H * (Tk + 1)
+    rank_dtype = torch.int32 if last_rank <= _RANK32_MAX else torch.int64
+    rank = torch.full((P,), last_rank, dtype=rank_dtype, device=device) if token_major \
         else chunks
     launch(_entries_kernel)[entry_grid](
         keys, order, block_idx, bounds, base, ent_tok, ent_pos,
@@ -199,5 +203,5 @@ def selection_index(block_idx: Tensor, sel_block: int, Tk: int, cu_seqlens: Opti
         block_idx.stride(0), T, Tk, E, num_keys, C, H=H, N=n, SEL=sel_block, ENTRIES=_ENTRIES,
         IS_VARLEN=varlen, WITH_SLOTS=with_slots, TOKEN_MAJOR=token_major, num_warps=4)
     if token_major:
-        chunks = chunks[torch.argsort(rank, stable=True)]
+        chunks = chunks.index_select(0, torch.argsort(rank, stable=True))
     return ent_tok, ent_pos, ent_slot, chunks

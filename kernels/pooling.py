@@ -1,9 +1,18 @@
-"""Mean pooling's backward added into the keys' gradient, in one pass: what
-`reference.compress_mean_backward(grad, T, l, d, out=dx)` computes (with d dividing l, fixed
-length; float32 sums, float64 for float64 operands), optionally after dx += other (the window
-branch's dk / dv), bit for bit the same roundings in the same order. nsa_attention's eager
-backward ran those as some 14 torch ops a step for k and v (0.3 ms of the H100 host's time per
-8k step, `.gpu`-style py-spy samples)."""
+"""Mean pooling (phi of the spec) on the GPU, forward and backward, each one Triton pass in place
+of the torch ops of `reference`:
+
+- `mean_pool`: `reference.compress_mean(x, l, d)` at fixed length, any d, with the sums in the
+  order torch's CUDA reduction gives them where it sums each output in one thread: bitwise its
+  result there (H100, bf16 / fp16, l = 30, 32, 48 at the spec's heads); from l = 64 on the
+  spec's heads torch splits each sum across warps, and the two agree to the sums' rounding. The
+  torch ops (a pad copy, the unfold view's mean) held 13% of an 8k forward's sampled host time,
+  the most of any one line (H100 host, py-spy at 1 kHz, `.gpu`-style script); one launch here.
+- `add_mean_pool_backward`: `reference.compress_mean_backward(grad, T, l, d, out=dx)` (d dividing
+  l, fixed length; float32 sums, float64 for float64 operands), optionally after dx += other (the
+  window branch's dk / dv), bit for bit the same roundings in the same order. nsa_attention's
+  eager backward ran those as some 14 torch ops a step for k and v (0.3 ms of the H100 host's
+  time per 8k step).
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -14,6 +23,52 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels.utils import launch, pow2
+
+
+@triton.jit
+def _mean_pool_fwd_kernel(X, OUT, sxb, sxt, sxh, sxd, T, ROWS, OUTPUTS, LEN: tl.constexpr,
+                          STRIDE: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                          WIDTH_PAD: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr):
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, WIDTH_PAD)  # (head, dim) flattened
+    cols = (c < H * D)[None, :]
+    head, dim = (c // D).to(tl.int64)[None, :], (c % D).to(tl.int64)[None, :]
+    at_x = X + b * sxb + head * sxh + dim * sxd
+    first = (r * STRIDE).to(tl.int64)[:, None]
+    # torch's CUDA reduction of this strided view: one thread per output, its l inputs in order
+    # into four accumulators by index mod 4, then ((a0 + a1) + a2) + a3 (Reduce.cuh's
+    # thread_reduce with vt0 = 4); tokens past T are the reference's zero padding
+    a0 = tl.zeros([BLOCK_R, WIDTH_PAD], ACC)
+    a1 = tl.zeros([BLOCK_R, WIDTH_PAD], ACC)
+    a2 = tl.zeros([BLOCK_R, WIDTH_PAD], ACC)
+    a3 = tl.zeros([BLOCK_R, WIDTH_PAD], ACC)
+    for j in tl.static_range(0, LEN - LEN % 4, 4):
+        a0 += _token(at_x, first + j, sxt, cols, T, ACC)
+        a1 += _token(at_x, first + j + 1, sxt, cols, T, ACC)
+        a2 += _token(at_x, first + j + 2, sxt, cols, T, ACC)
+        a3 += _token(at_x, first + j + 3, sxt, cols, T, ACC)
+    if LEN % 4 > 0:
+        a0 += _token(at_x, first + LEN - LEN % 4, sxt, cols, T, ACC)
+    if LEN % 4 > 1:
+        a1 += _token(at_x, first + LEN - LEN % 4 + 1, sxt, cols, T, ACC)
+    if LEN % 4 > 2:
+        a2 += _token(at_x, first + LEN - LEN % 4 + 2, sxt, cols, T, ACC)
+    # torch's factor: outputs / inputs as numbers of its accumulator, the quotient rounded
+    outputs = OUTPUTS + tl.zeros([], tl.int64)
+    if ACC == tl.float64:  # float64 division rounds to nearest
+        factor = outputs.to(ACC) / (outputs * LEN).to(ACC)
+    else:
+        factor = tl.math.div_rn(outputs.to(ACC), (outputs * LEN).to(ACC))
+    mean = (((a0 + a1) + a2) + a3) * factor
+    out = OUT + (b * ROWS + r.to(tl.int64))[:, None] * (H * D) + c[None, :]
+    tl.store(out, mean.to(OUT.dtype.element_ty), mask=(r < ROWS)[:, None] & cols)
+
+
+@triton.jit
+def _token(at_x, t, sxt, cols, T, ACC: tl.constexpr):
+    """Tokens t [rows, 1] of x at the columns' offsets, zero past T, in ACC."""
+    return tl.load(at_x + t * sxt, mask=(t < T) & cols, other=0.0).to(ACC)
 
 
 @triton.jit
@@ -58,6 +113,26 @@ def _accumulator(*xs: Optional[Tensor]):
     promotion in the reference's ops)."""
     wide = any(x is not None and x.dtype == torch.float64 for x in xs)
     return tl.float64 if wide else tl.float32
+
+
+def mean_pool(x: Tensor, block_len: int, block_stride: int) -> Tensor:
+    """`reference.compress_mean(x, block_len, block_stride)` of a fixed-length x [B, T, H, D]
+    (any strides): [B, cmp_rows(T), H, D], contiguous, the rows past the emitted ones pooled over
+    the zero padding as the reference pools them."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, T, H, D], got shape {tuple(x.shape)}")
+    B, T, H, D = x.shape
+    rows = T // block_stride + 2  # reference.cmp_rows
+    out = torch.empty(B, rows, H, D, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    width_pad = pow2(H * D)
+    block_r = max(1, 4096 // width_pad)
+    launch(_mean_pool_fwd_kernel)[(triton.cdiv(rows, block_r), B)](
+        x, out, *x.stride(), T, rows, out.numel(), LEN=block_len,
+        STRIDE=block_stride, H=H, D=D, WIDTH_PAD=width_pad, BLOCK_R=block_r,
+        ACC=_accumulator(x), num_warps=4)
+    return out
 
 
 def add_mean_pool_backward(dx: Tensor, grad: Tensor, block_len: int, block_stride: int,

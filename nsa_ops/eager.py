@@ -5,8 +5,9 @@ autograd node of its own: on the H100 machine's host (T = 2048) 200-570 us per o
 against 80-220 us for the routed implementation call (`ops._call`), so at 8k tokens the GPU
 waited on the host. Here one torch.autograd.Function runs the same bodies (`CustomOpDef._init_fn`:
 validation, the routing table's choice, the implementation, logging and parity checks) in the
-same order, and its backward runs the backward ops' bodies and sums the branches' gradients
-itself: dq's three parts in the selection dq kernel's epilogue, which runs last
+same order (mean pooling as `reference.compress_mean` computes it, on a GPU one Triton pass for
+k and one for v, `kernels.pooling`), and its backward runs the backward ops' bodies and sums the
+branches' gradients itself: dq's three parts in the selection dq kernel's epilogue, which runs last
 (`ops.selection_backward_adding`; autograd's two adds took 2.09 ms at 64k, a one-pass sum 1.38),
 mean pooling's backward as `reference.compress_mean_backward` computes it, on a GPU one Triton
 pass that also adds the window's dk / dv (`kernels.pooling`; autograd's unfold backward took
@@ -114,8 +115,7 @@ class _Layer(torch.autograd.Function):
             with _named("sliding_window_attention"):
                 o_win, lse_win = ops.sliding_window_attention._init_fn(
                     q, k, v, plan.window, plan.scale, **plan.seqs)
-        k_cmp = reference.compress_mean(k, plan.block_len, plan.block_stride, plan.cu_keys)
-        v_cmp = reference.compress_mean(v, plan.block_len, plan.block_stride, plan.cu_keys)
+        k_cmp, v_cmp = _pool(k, plan), _pool(v, plan)
         with _named("compressed_attention"):
             o_cmp, lse_cmp = ops.compressed_attention._init_fn(
                 q, k_cmp, v_cmp, plan.block_len, plan.block_stride, plan.scale, **plan.cmp_keys)
@@ -209,6 +209,20 @@ class _Layer(torch.autograd.Function):
                                     zip(gates, ctx.needs_input_grad[4:7])), None)
 
 
+def _pooling_kernel(x: Tensor, plan: Plan) -> bool:
+    """Whether mean pooling of x runs as `kernels.pooling`'s passes (a GPU, fixed length) rather
+    than as the reference's torch ops (`kernels.pooling` says how their roundings compare)."""
+    return plan.cu_keys is None and x.is_cuda and routing.has_triton()
+
+
+def _pool(x: Tensor, plan: Plan) -> Tensor:
+    """`reference.compress_mean` of x: one Triton pass where `_pooling_kernel`."""
+    if _pooling_kernel(x, plan):
+        from nsa_ops.kernels.pooling import mean_pool
+        return mean_pool(x, plan.block_len, plan.block_stride)
+    return reference.compress_mean(x, plan.block_len, plan.block_stride, plan.cu_keys)
+
+
 def _add_pool_backward(dx: Tensor, grad: Tensor, x: Tensor, plan: Plan,
                        other: Optional[Tensor]) -> None:
     """dx += other (the window's gradient, or None), then the gradient of x from that of its
@@ -218,7 +232,7 @@ def _add_pool_backward(dx: Tensor, grad: Tensor, x: Tensor, plan: Plan,
     again (a graph kept from the forward would be gone after one backward, and retain_graph asks
     for more)."""
     fixed = plan.cu_keys is None and plan.block_len % plan.block_stride == 0
-    if fixed and dx.is_cuda and routing.has_triton():
+    if fixed and _pooling_kernel(dx, plan):
         from nsa_ops.kernels.pooling import add_mean_pool_backward
         add_mean_pool_backward(dx, grad, plan.block_len, plan.block_stride, other)
         return

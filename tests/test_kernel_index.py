@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nsa_ops import reference as ref
+from nsa_ops.kernels import index as index_kernels
 from nsa_ops.kernels.index import selection_index
 
 
@@ -44,6 +45,13 @@ def test_index_fixed_length(B, T, Tk, H, n, sel_block, chunk, token_major, with_
     want = _compare(bidx, sel_block, Tk, chunk=chunk, token_major=token_major,
                     with_slots=with_slots)
     assert (want[3][:, 1] > want[3][:, 0]).any()  # the inputs give chunks
+
+
+def test_index_wide_chunk_ranks(monkeypatch, poisoned_empty):
+    """Chunk ranks past int32 sort as int64 (forced here by lowering the bound)."""
+    monkeypatch.setattr(index_kernels, "_RANK32_MAX", 100)
+    bidx = _block_idx(2, 70, 3, 5, -(-70 // 16) + 2, seed=5)
+    _compare(bidx, 16, 70, chunk=3, token_major=True, with_slots=True)
 
 
 @pytest.mark.parametrize("lengths_q,lengths_k", [

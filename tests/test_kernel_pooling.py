@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nsa_ops import reference
-from nsa_ops.kernels.pooling import add_mean_pool_backward
+from nsa_ops.kernels.pooling import add_mean_pool_backward, mean_pool
 
 
 @pytest.mark.parametrize("block_len,block_stride", [(32, 16), (64, 16), (16, 16), (64, 64),
@@ -93,3 +93,79 @@ def test_add_mean_pool_backward_refuses(case):
             add_mean_pool_backward(dx, grad[:, :1], 32, 16)
         else:
             add_mean_pool_backward(dx, grad, 32, 16, dx[:, :16])
+
+
+def _cuda_mean_order(x: torch.Tensor, block_len: int, block_stride: int) -> torch.Tensor:
+    """reference.compress_mean as torch's CUDA reduction orders its sums where it gives each
+    output one thread (inputs into four accumulators by index mod 4, then ((a0 + a1) + a2) + a3,
+    times outputs / inputs in the accumulator's dtype), on the CPU one torch op at a time."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    blocks = reference.gather_blocks(x, block_len, block_stride).to(acc)  # [B, N, H, l, D]
+    parts = [blocks[..., j::4, :].unbind(-2) for j in range(4)]
+    sums = []
+    for tokens in parts:
+        s = torch.zeros_like(blocks[..., 0, :])
+        for t in tokens:
+            s = s + t
+        sums.append(s)
+    total = ((sums[0] + sums[1]) + sums[2]) + sums[3]
+    outputs = total.numel()
+    factor = torch.tensor(outputs, dtype=acc) / torch.tensor(outputs * block_len, dtype=acc)
+    return (total * factor).to(x.dtype)
+
+
+def _assert_within_rounding(ours: torch.Tensor, x: torch.Tensor, block_len: int,
+                            block_stride: int) -> None:
+    """ours within the bound of l sums' float rounding and one output rounding of the float64
+    mean (the output's subnormal spacing included)."""
+    exact = reference.compress_mean(x.double(), block_len, block_stride)
+    magnitude = reference.compress_mean(x.double().abs(), block_len, block_stride)
+    acc, out = torch.finfo(torch.promote_types(x.dtype, torch.float32)), torch.finfo(x.dtype)
+    bound = block_len * acc.eps * magnitude + out.eps * (exact.abs() + out.smallest_normal)
+    assert ((ours.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("block_len,block_stride", [(32, 16), (64, 16), (16, 16), (48, 16),
+                                                    (30, 10), (7, 3)])
+@pytest.mark.parametrize("T", [1, 15, 100, 257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64], ids=str)
+def test_mean_pool_matches_reference(block_len, block_stride, T, dtype, device="cpu"):
+    """On the CPU (whose sums run in another order): bitwise `_cuda_mean_order`, within rounding
+    of the float64 mean. On CUDA: bitwise reference.compress_mean's torch ops where l < 64 (torch
+    sums each output in one thread there; from l = 64 on this shape it splits the sum across
+    warps: within rounding). Values spread over 2^-12..2^12, so that the order shows."""
+    g = torch.Generator().manual_seed(T * block_len + block_stride)
+    B, H, D = 2, 3, 8
+    spread = torch.exp2(torch.randint(-12, 13, (B, T, H, D), generator=g).float())
+    x = (torch.randn(B, T, H, D, generator=g) * spread).to(dtype).to(device)
+    ours = mean_pool(x, block_len, block_stride)
+    expected = reference.compress_mean(x, block_len, block_stride)
+    assert ours.shape == expected.shape and ours.is_contiguous()
+    if device == "cpu":
+        assert torch.equal(ours, _cuda_mean_order(x, block_len, block_stride))
+    elif block_len < 64:
+        assert torch.equal(ours, expected)
+    _assert_within_rounding(ours, x, block_len, block_stride)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_len,block_stride", [(32, 16), (48, 16), (64, 64), (30, 10)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+                         ids=str)
+def test_gpu_mean_pool_matches_reference(block_len, block_stride, dtype):
+    """On CUDA, against the reference's torch ops on CUDA."""
+    for T in (257, 8192):
+        test_mean_pool_matches_reference(block_len, block_stride, T, dtype, device="cuda")
+
+
+def test_mean_pool_head_major_and_strided():
+    """Head-major x and a token-strided view of a larger tensor: any strides."""
+    g = torch.Generator().manual_seed(2)
+    for x in (torch.randn(2, 3, 40, 8, generator=g).transpose(1, 2),
+              torch.randn(3, 90, 2, 16, generator=g)[1:, 3:83:2]):
+        assert torch.equal(mean_pool(x, 16, 8), _cuda_mean_order(x, 16, 8))
+
+
+def test_mean_pool_refuses_other_ranks():
+    with pytest.raises(ValueError, match="x must be"):
+        mean_pool(torch.zeros(32, 2, 8), 32, 16)
