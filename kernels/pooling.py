@@ -23,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels.utils import launch, pow2
+from nsa_ops.reference import cmp_rows
 
 
 @triton.jit
@@ -56,10 +57,7 @@ def _mean_pool_fwd_kernel(X, OUT, sxb, sxt, sxh, sxd, T, ROWS, OUTPUTS, LEN: tl.
         a2 += _token(at_x, first + LEN - LEN % 4 + 2, sxt, cols, T, ACC)
     # torch's factor: outputs / inputs as numbers of its accumulator, the quotient rounded
     outputs = OUTPUTS + tl.zeros([], tl.int64)
-    if ACC == tl.float64:  # float64 division rounds to nearest
-        factor = outputs.to(ACC) / (outputs * LEN).to(ACC)
-    else:
-        factor = tl.math.div_rn(outputs.to(ACC), (outputs * LEN).to(ACC))
+    factor = _quotient(outputs.to(ACC), (outputs * LEN).to(ACC), ACC)
     mean = (((a0 + a1) + a2) + a3) * factor
     out = OUT + (b * ROWS + r.to(tl.int64))[:, None] * (H * D) + c[None, :]
     tl.store(out, mean.to(OUT.dtype.element_ty), mask=(r < ROWS)[:, None] & cols)
@@ -69,6 +67,17 @@ def _mean_pool_fwd_kernel(X, OUT, sxb, sxt, sxh, sxd, T, ROWS, OUTPUTS, LEN: tl.
 def _token(at_x, t, sxt, cols, T, ACC: tl.constexpr):
     """Tokens t [rows, 1] of x at the columns' offsets, zero past T, in ACC."""
     return tl.load(at_x + t * sxt, mask=(t < T) & cols, other=0.0).to(ACC)
+
+
+@triton.jit
+def _quotient(num, den, ACC: tl.constexpr):
+    """num / den in ACC, rounded to nearest as torch's CUDA division rounds (Triton's float32
+    division is approximate; float64's rounds to nearest)."""
+    if ACC == tl.float64:
+        quotient = num / den
+    else:
+        quotient = tl.math.div_rn(num, den)
+    return quotient
 
 
 @triton.jit
@@ -93,10 +102,7 @@ def _add_mean_pool_bwd_kernel(DX, OTHER, GRAD, sxb, sxt, sxh, sxd, sob, sot, soh
     # torch's CUDA division by a number computes it), summed from the token's own row down, as
     # the reference's loop adds them
     zero = tl.zeros((), ACC)
-    if ACC == tl.float64:
-        inv = (zero + 1.0) / (zero + LEN)  # float64 division rounds to nearest
-    else:
-        inv = tl.math.div_rn(zero + 1.0, zero + LEN)
+    inv = _quotient(zero + 1.0, zero + LEN, ACC)
     row = (t // STRIDE).to(tl.int64)
     at_g = GRAD + b * sgb + head * sgh + dim * sgd
     summed = tl.load(at_g + row[:, None] * sgt, mask=inside, other=0.0).to(ACC) * inv
@@ -115,6 +121,13 @@ def _accumulator(*xs: Optional[Tensor]):
     return tl.float64 if wide else tl.float32
 
 
+def _tiles(H: int, D: int) -> tuple[int, int]:
+    """(the padded width of a row's H * D values, rows per program): about 4096 values a
+    program, for both passes."""
+    width_pad = pow2(H * D)
+    return width_pad, max(1, 4096 // width_pad)
+
+
 def mean_pool(x: Tensor, block_len: int, block_stride: int) -> Tensor:
     """`reference.compress_mean(x, block_len, block_stride)` of a fixed-length x [B, T, H, D]
     (any strides): [B, cmp_rows(T), H, D], contiguous, the rows past the emitted ones pooled over
@@ -122,12 +135,11 @@ def mean_pool(x: Tensor, block_len: int, block_stride: int) -> Tensor:
     if x.dim() != 4:
         raise ValueError(f"x must be [B, T, H, D], got shape {tuple(x.shape)}")
     B, T, H, D = x.shape
-    rows = T // block_stride + 2  # reference.cmp_rows
+    rows = cmp_rows(T, block_stride)
     out = torch.empty(B, rows, H, D, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    width_pad = pow2(H * D)
-    block_r = max(1, 4096 // width_pad)
+    width_pad, block_r = _tiles(H, D)
     launch(_mean_pool_fwd_kernel)[(triton.cdiv(rows, block_r), B)](
         x, out, *x.stride(), T, rows, out.numel(), LEN=block_len,
         STRIDE=block_stride, H=H, D=D, WIDTH_PAD=width_pad, BLOCK_R=block_r,
@@ -152,8 +164,7 @@ def add_mean_pool_backward(dx: Tensor, grad: Tensor, block_len: int, block_strid
                          f"{tuple(other.shape)}")
     if dx.numel() == 0:
         return dx
-    width_pad = pow2(H * D)
-    block_t = max(1, 4096 // width_pad)
+    width_pad, block_t = _tiles(H, D)
     o = dx if other is None else other
     launch(_add_mean_pool_bwd_kernel)[(triton.cdiv(T, block_t), B)](
         dx, o, grad, *dx.stride(), *o.stride(), *grad.stride(), T, float(block_len),

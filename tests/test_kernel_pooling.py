@@ -1,8 +1,10 @@
-"""kernels/pooling.py against reference.compress_mean_backward (and the in-place add before it):
-the same roundings in the same order. Under the Triton interpreter (which truncates float32 to
-bfloat16 where a GPU rounds to nearest: bfloat16 on the GPU only) bitwise equal where 1 / l is
-exact (l a power of two); the CPU reference divides where the kernel multiplies by 1 / l as
-torch's CUDA division does, so l = 48 agrees to an ulp there and bitwise on the GPU."""
+"""kernels/pooling.py against reference.compress_mean (mean_pool: torch CUDA's summation order,
+`_cuda_mean_order`) and reference.compress_mean_backward with the in-place add before it
+(add_mean_pool_backward): the same roundings in the same order. Under the Triton interpreter
+(which truncates float32 to bfloat16 where a GPU rounds to nearest: bfloat16 on the GPU only)
+the backward is bitwise equal where 1 / l is exact (l a power of two); the CPU reference divides
+where the kernel multiplies by 1 / l as torch's CUDA division does, so l = 48 agrees to an ulp
+there and bitwise on the GPU."""
 import pytest
 import torch
 
