@@ -7,7 +7,8 @@ Run as a script without TRITON_INTERPRET (the tests start it in a subprocess):
     python tests/sm90_compile.py routed DTYPE DK DV HQ H
         every Triton kernel the routed ops launch at those head dims on a GPU (pointer loads,
         the GPU tile tables; T = 2048, l=32, d=16, l'=64, n=16, w=512), decode over a cache of
-        T tokens both ways (one launch and split-K)
+        T tokens both ways (one launch and split-K), and the eager layer's mean pooling both
+        ways at that dtype and float64
 
 Each kernel's `launch(kernel)[grid](...)` is swapped for triton.compile of the same arguments
 with the specialization Triton's JIT gives them on a GPU (16-byte aligned pointers and integers
@@ -24,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-         torch.int32: "i32", torch.int64: "i64"}
+         torch.float64: "fp64", torch.int32: "i32", torch.int64: "i64"}
 
 
 class CompileForSm90:
@@ -36,7 +37,8 @@ class CompileForSm90:
     def __getitem__(self, grid):
         return self.compile
 
-    def compile(self, *args, num_warps=4, num_stages=3, maxnreg=None, **constexprs):
+    def compile(self, *args, num_warps=4, num_stages=3, maxnreg=None, enable_fp_fusion=None,
+                **constexprs):
         sig, attrs = {}, {}
         for i, (name, arg) in enumerate(zip(self.kernel.arg_names, args)):
             if isinstance(arg, torch.Tensor):
@@ -57,6 +59,8 @@ class CompileForSm90:
         options = dict(num_warps=num_warps, num_stages=num_stages)
         if maxnreg is not None:
             options["maxnreg"] = maxnreg
+        if enable_fp_fusion is not None:
+            options["enable_fp_fusion"] = enable_fp_fusion
         compiled = triton.compile(ASTSource(self.kernel, sig, constexprs, attrs),
                                   target=GPUTarget("cuda", 90, 32), options=options)
         print("compiled", self.kernel.__name__, options, "smem", compiled.metadata.shared,
@@ -73,8 +77,8 @@ def select(l, d, sel, n, T, HQ, H, D):
 
 def routed(dtype, dk, dv, HQ, H):
     from nsa_ops import reference
-    from nsa_ops.kernels import compressed, decode, delta, index, selection, window
-    for module in (window, compressed, selection, delta, index):
+    from nsa_ops.kernels import compressed, decode, delta, index, pooling, selection, window
+    for module in (window, compressed, selection, delta, index, pooling):
         module.launch = CompileForSm90
     cpu_tiles = window._tile_config
     window._tile_config = lambda kernel, kv_bytes, on_gpu: cpu_tiles(kernel, kv_bytes, True)
@@ -94,6 +98,10 @@ def routed(dtype, dk, dv, HQ, H):
     for stored_ds in (True, False):  # dq from the stored dS, or worked out again
         selection.selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel, scale,
                                           stored_ds=stored_ds)
+    # nsa_attention's eager layer pools k and v on a GPU, float64 layers' too
+    for x in (k, k.double()):
+        pooling.mean_pool(x, l, d)
+        pooling.add_mean_pool_backward(x, x[:, :T // d + 2], l, d, x)
     # decode launches its kernels directly, over a cache of T tokens for 2 sequences
     for name in ("_fused_kernel", "_partials_kernel", "_select_kernel", "_combine_kernel"):
         setattr(decode, name, CompileForSm90(getattr(decode, name)))

@@ -17,11 +17,12 @@ SM90_SHARED_BYTES = 232448
 
 
 # the window, compressed and selection kernels, forward and backward, select_blocks, decode, the
-# selection backward's inverse index; fp32 leaves the selection's shared passes out
-# (kernels/selection.py, `_cuda_core_default`)
+# selection backward's inverse index, the eager layer's mean pooling both ways; fp32 leaves the
+# selection's shared passes out (kernels/selection.py, `_cuda_core_default`)
 ROUTED = {"_bwd_dq_kernel", "_bwd_dkdv_kernel", "_dq_kernel", "_dkdv_kernel", "_select_kernel",
           "_fused_kernel", "_partials_kernel", "_dq_ds_kernel", "_delta_kernel", "_keys_kernel",
-          "_bounds_kernel", "_chunk_base_kernel", "_entries_kernel"}
+          "_bounds_kernel", "_chunk_base_kernel", "_entries_kernel", "_mean_pool_fwd_kernel",
+          "_add_mean_pool_bwd_kernel"}
 
 
 @pytest.mark.parametrize("dtype,dk,dv,HQ,H,expected", [
