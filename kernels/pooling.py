@@ -29,10 +29,10 @@ from nsa_ops.reference import cmp_rows
 @triton.jit
 def _mean_pool_fwd_kernel(X, OUT, sxb, sxt, sxh, sxd, T, ROWS, OUTPUTS, LEN: tl.constexpr,
                           STRIDE: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                          WIDTH_PAD: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr):
-    b = tl.program_id(1).to(tl.int64)
+                          BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, ACC: tl.constexpr):
+    b = tl.program_id(2).to(tl.int64)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.arange(0, WIDTH_PAD)  # (head, dim) flattened
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # (head, dim) flattened
     cols = (c < H * D)[None, :]
     head, dim = (c // D).to(tl.int64)[None, :], (c % D).to(tl.int64)[None, :]
     at_x = X + b * sxb + head * sxh + dim * sxd
@@ -40,10 +40,10 @@ def _mean_pool_fwd_kernel(X, OUT, sxb, sxt, sxh, sxd, T, ROWS, OUTPUTS, LEN: tl.
     # torch's CUDA reduction of this strided view: one thread per output, its l inputs in order
     # into four accumulators by index mod 4, then ((a0 + a1) + a2) + a3 (Reduce.cuh's
     # thread_reduce with vt0 = 4); tokens past T are the reference's zero padding
-    a0 = tl.zeros([BLOCK_R, WIDTH_PAD], ACC)
-    a1 = tl.zeros([BLOCK_R, WIDTH_PAD], ACC)
-    a2 = tl.zeros([BLOCK_R, WIDTH_PAD], ACC)
-    a3 = tl.zeros([BLOCK_R, WIDTH_PAD], ACC)
+    a0 = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    a1 = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    a2 = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    a3 = tl.zeros([BLOCK_R, BLOCK_C], ACC)
     for j in tl.static_range(0, LEN - LEN % 4, 4):
         a0 += _token(at_x, first + j, sxt, cols, T, ACC)
         a1 += _token(at_x, first + j + 1, sxt, cols, T, ACC)
@@ -122,10 +122,29 @@ def _accumulator(*xs: Optional[Tensor]):
 
 
 def _tiles(H: int, D: int) -> tuple[int, int]:
-    """(the padded width of a row's H * D values, rows per program): about 4096 values a
-    program, for both passes."""
+    """The backward pass's (padded width of a row's H * D values, rows per program): about 4096
+    values a program."""
     width_pad = pow2(H * D)
     return width_pad, max(1, 4096 // width_pad)
+
+
+# The forward's bytes of x in flight per program: ptxas issues a program's l token loads before
+# their sums, so its registers grow with l * values * itemsize. At the 4096 values a program it
+# had, the spec's bf16 k (l = 32, H * D = 512) spilled 9.8 KB a thread and float64 at l = 64 8
+# KB; at 64 KB in flight, the same bits (H100, B = 1, H = 4, D = 128, `do_bench` medians of
+# three rounds, us a call): bf16 l = 32 8k 167 -> 11-45, 64k 698 -> 35-43; fp32 64k 553 -> 60-113;
+# bf16 l = d = 64 64k 288 -> 34-43; fp64 l = d = 64 8k 546 -> 20-41 (its GPU test 54 s -> under 3).
+# ptxas for sm_90 (Triton 3.9, 4 warps) fits rows of 64 to 2048 values at l = 32 and 64 in 16,
+# 32 and 64 bits in 32-128 registers without spills; the tests' rows of 24 values take up to 255
+# in 16 bits, spilling 44 bytes at l = 64 (32 KB spilled more there, in float16).
+_FWD_BYTES_IN_FLIGHT = 1 << 16
+
+
+def _fwd_tiles(H: int, D: int, block_len: int, itemsize: int) -> tuple[int, int]:
+    """The forward pass's (columns, rows) per program."""
+    values = max(16, _FWD_BYTES_IN_FLIGHT // (pow2(block_len) * itemsize))
+    block_c = min(pow2(H * D), values)
+    return block_c, max(1, values // block_c)
 
 
 def mean_pool(x: Tensor, block_len: int, block_stride: int) -> Tensor:
@@ -139,10 +158,10 @@ def mean_pool(x: Tensor, block_len: int, block_stride: int) -> Tensor:
     out = torch.empty(B, rows, H, D, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    width_pad, block_r = _tiles(H, D)
-    launch(_mean_pool_fwd_kernel)[(triton.cdiv(rows, block_r), B)](
+    block_c, block_r = _fwd_tiles(H, D, block_len, x.element_size())
+    launch(_mean_pool_fwd_kernel)[(triton.cdiv(rows, block_r), triton.cdiv(H * D, block_c), B)](
         x, out, *x.stride(), T, rows, out.numel(), LEN=block_len,
-        STRIDE=block_stride, H=H, D=D, WIDTH_PAD=width_pad, BLOCK_R=block_r,
+        STRIDE=block_stride, H=H, D=D, BLOCK_C=block_c, BLOCK_R=block_r,
         ACC=_accumulator(x), num_warps=4)
     return out
 

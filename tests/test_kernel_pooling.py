@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nsa_ops import reference
+from nsa_ops.kernels import pooling
 from nsa_ops.kernels.pooling import add_mean_pool_backward, mean_pool
 
 
@@ -166,6 +167,15 @@ def test_mean_pool_head_major_and_strided():
     for x in (torch.randn(2, 3, 40, 8, generator=g).transpose(1, 2),
               torch.randn(3, 90, 2, 16, generator=g)[1:, 3:83:2]):
         assert torch.equal(mean_pool(x, 16, 8), _cuda_mean_order(x, 16, 8))
+
+
+def test_mean_pool_column_tiles():
+    """Rows wider than a program's columns (`_fwd_tiles`), the last tile part padding."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 70, 4, 48, generator=g, dtype=torch.float64)
+    block_c, _ = pooling._fwd_tiles(4, 48, 64, x.element_size())
+    assert 4 * 48 % block_c and 4 * 48 > block_c
+    assert torch.equal(mean_pool(x, 64, 16), _cuda_mean_order(x, 64, 16))
 
 
 def test_mean_pool_refuses_other_ranks():
