@@ -130,13 +130,13 @@ def _tiles(H: int, D: int) -> tuple[int, int]:
 
 # The forward's bytes of x in flight per program: ptxas issues a program's l token loads before
 # their sums, so its registers grow with l * values * itemsize. At the 4096 values a program it
-# had, the spec's bf16 k (l = 32, H * D = 512) spilled 9.8 KB a thread and float64 at l = 64 8
-# KB; at 64 KB in flight, the same bits (H100, B = 1, H = 4, D = 128, `do_bench` medians of
-# three rounds, us a call): bf16 l = 32 8k 167 -> 11-45, 64k 698 -> 35-43; fp32 64k 553 -> 60-113;
-# bf16 l = d = 64 64k 288 -> 34-43; fp64 l = d = 64 8k 546 -> 20-41 (its GPU test 54 s -> under 3).
-# ptxas for sm_90 (Triton 3.9, 4 warps) fits rows of 64 to 2048 values at l = 32 and 64 in 16,
-# 32 and 64 bits in 32-128 registers without spills; the tests' rows of 24 values take up to 255
-# in 16 bits, spilling 44 bytes at l = 64 (32 KB spilled more there, in float16).
+# had, the spec's bf16 k (l = 32, H * D = 512) spilled 9.2 KB a thread and float64 at l = 64
+# about 8 KB; at 64 KB in flight, the same bits (H100, B = 1, H = 4, D = 128, `do_bench` medians
+# of three rounds, us a call): bf16 l = 32 8k 167 -> 11-45, 64k 698 -> 35-43; fp32 64k 553 ->
+# 60-113; bf16 l = d = 64 64k 288 -> 34-43; fp64 l = d = 64 8k 546 -> 20-41 (its GPU test 54 s
+# -> under 3). ptxas for sm_90 (Triton 3.9, 4 warps) fits rows of 64 to 2048 values at l = 32
+# and 64 in 16, 32 and 64 bits in 32-128 registers without spills; the tests' rows of 24 values
+# take up to 255 in 16 bits, spilling 44 bytes at l = 64 (32 KB spilled more there, in float16).
 _FWD_BYTES_IN_FLIGHT = 1 << 16
 
 
