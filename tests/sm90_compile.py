@@ -8,7 +8,9 @@ Run as a script without TRITON_INTERPRET (the tests start it in a subprocess):
         every Triton kernel the routed ops launch at those head dims on a GPU (pointer loads,
         the GPU tile tables; T = 2048, l=32, d=16, l'=64, n=16, w=512), decode over a cache of
         T tokens both ways (one launch and split-K), and the eager layer's mean pooling both
-        ways at that dtype and float64
+        ways at that dtype and float64; the window and selection kernels both with pointer
+        loads and as an eager sm90 launch picks them (TMA descriptors and the selection's shared
+        pass where their routes take them)
 
 Each kernel's `launch(kernel)[grid](...)` is swapped for triton.compile of the same arguments
 with the specialization Triton's JIT gives them on a GPU (16-byte aligned pointers and integers
@@ -23,6 +25,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
          torch.float64: "fp64", torch.int32: "i32", torch.int64: "i64"}
@@ -41,7 +44,9 @@ class CompileForSm90:
                 **constexprs):
         sig, attrs = {}, {}
         for i, (name, arg) in enumerate(zip(self.kernel.arg_names, args)):
-            if isinstance(arg, torch.Tensor):
+            if isinstance(arg, TensorDescriptor):  # as Triton's JIT names a host descriptor
+                sig[name] = f"tensordesc<{TYPES[arg.base.dtype]}{list(arg.block_shape)}>"
+            elif isinstance(arg, torch.Tensor):
                 sig[name] = "*" + TYPES[arg.dtype]
                 if arg.data_ptr() % 16 == 0:
                     attrs[(i,)] = [["tt.divisibility", 16]]
@@ -77,7 +82,7 @@ def select(l, d, sel, n, T, HQ, H, D):
 
 def routed(dtype, dk, dv, HQ, H):
     from nsa_ops import reference
-    from nsa_ops.kernels import compressed, decode, delta, index, pooling, selection, window
+    from nsa_ops.kernels import compressed, decode, delta, index, pooling, selection, utils, window
     for module in (window, compressed, selection, delta, index, pooling):
         module.launch = CompileForSm90
     cpu_tiles = window._tile_config
@@ -87,14 +92,18 @@ def routed(dtype, dk, dv, HQ, H):
     q, do = (torch.randn(1, T, HQ, dim, dtype=dt) for dim in (dk, dv))
     k, v = (torch.randn(1, T, H, dim, dtype=dt) for dim in (dk, dv))
     o, lse = torch.randn(1, T, HQ, dv, dtype=dt), torch.randn(1, T, HQ)
-    window._triton_fwd(q, k, v, w, scale, None, tma=False)
-    window._triton_bwd(q, k, v, o, lse, do, None, w, scale, None, tma=False)
+    block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
+    # pointer loads, then as an eager launch on an sm90 GPU picks (tma=None: TMA descriptors and
+    # the selection forward's shared pass where their routes allow)
+    for engine in (False, True):
+        utils.tma_engine = lambda x, engine=engine: engine
+        window._triton_fwd(q, k, v, w, scale, None, tma=None)
+        window._triton_bwd(q, k, v, o, lse, do, None, w, scale, None, tma=None)
+        selection.selection_attention_fwd(q, k, v, block_idx, sel, scale)
     k_cmp, v_cmp = (x[:, :(T - l) // d + 1].contiguous() for x in (k, v))
     compressed.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
     compressed.compressed_attention_bwd(q, k_cmp, v_cmp, o, lse, do, None, l, d, scale)
     compressed.select_blocks(q, k_cmp, lse, l, d, sel, n, scale)
-    block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
-    selection.selection_attention_fwd(q, k, v, block_idx, sel, scale)
     for stored_ds in (True, False):  # dq from the stored dS, or worked out again
         selection.selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel, scale,
                                           stored_ds=stored_ds)
