@@ -32,8 +32,9 @@ _TOKENS = 16  # query tokens a `_keys_kernel` program takes at most (rows of H *
 _KEY_ENTRIES = 4096  # entries a `_keys_kernel` program holds at most (many heads x slots)
 _ENTRIES = 1024  # sorted entries a `_bounds_kernel` / `_entries_kernel` program takes
 _KEYS = 1024  # keys a `_chunk_base_kernel` step sums
-# chunk ranks up to this sort as int32: the stable argsort then takes 4 radix passes, not 8
-_RANK32_MAX = 2 ** 31 - 1
+# sort keys and chunk ranks up to this sort as int32: their stable sorts then take 4 radix
+# passes, not 8
+_SORT32_MAX = 2 ** 31 - 1
 
 
 @triton.jit
@@ -175,7 +176,7 @@ def selection_index(block_idx: Tensor, sel_block: int, Tk: int, cu_seqlens: Opti
     if E == 0:
         empty = torch.empty(0, dtype=torch.int32, device=device)
         return empty, empty, empty if with_slots else None, chunks
-    key_dtype = torch.int32 if num_keys < 2 ** 31 - 1 else torch.int64
+    key_dtype = torch.int32 if num_keys < _SORT32_MAX else torch.int64
     keys = torch.empty(E, dtype=key_dtype, device=device)
     hnp = pow2(H * n)
     tokens = max(1, min(_TOKENS, _KEY_ENTRIES // hnp))
@@ -194,7 +195,7 @@ def selection_index(block_idx: Tensor, sel_block: int, Tk: int, cu_seqlens: Opti
     ent_pos = torch.empty(E, dtype=torch.int32, device=device)
     ent_slot = torch.empty(E, dtype=torch.int32, device=device) if with_slots else None
     last_rank = B * H * (Tk + 1)
-    rank_dtype = torch.int32 if last_rank <= _RANK32_MAX else torch.int64
+    rank_dtype = torch.int32 if last_rank <= _SORT32_MAX else torch.int64
     rank = torch.full((P,), last_rank, dtype=rank_dtype, device=device) if token_major \
         else chunks
     launch(_entries_kernel)[entry_grid](

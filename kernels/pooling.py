@@ -121,7 +121,7 @@ def _accumulator(*xs: Optional[Tensor]):
     return tl.float64 if wide else tl.float32
 
 
-def _tiles(H: int, D: int) -> tuple[int, int]:
+def _bwd_tiles(H: int, D: int) -> tuple[int, int]:
     """The backward pass's (padded width of a row's H * D values, rows per program): about 4096
     values a program."""
     width_pad = pow2(H * D)
@@ -183,7 +183,7 @@ def add_mean_pool_backward(dx: Tensor, grad: Tensor, block_len: int, block_strid
                          f"{tuple(other.shape)}")
     if dx.numel() == 0:
         return dx
-    width_pad, block_t = _tiles(H, D)
+    width_pad, block_t = _bwd_tiles(H, D)
     o = dx if other is None else other
     launch(_add_mean_pool_bwd_kernel)[(triton.cdiv(T, block_t), B)](
         dx, o, grad, *dx.stride(), *o.stride(), *grad.stride(), T, float(block_len),

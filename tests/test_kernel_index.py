@@ -48,8 +48,8 @@ def test_index_fixed_length(B, T, Tk, H, n, sel_block, chunk, token_major, with_
 
 
 def test_index_wide_chunk_ranks(monkeypatch, poisoned_empty):
-    """Chunk ranks past int32 sort as int64 (forced here by lowering the bound)."""
-    monkeypatch.setattr(index_kernels, "_RANK32_MAX", 100)
+    """Sort keys and chunk ranks past int32 sort as int64 (forced here by lowering the bound)."""
+    monkeypatch.setattr(index_kernels, "_SORT32_MAX", 30)
     bidx = _block_idx(2, 70, 3, 5, -(-70 // 16) + 2, seed=5)
     _compare(bidx, 16, 70, chunk=3, token_major=True, with_slots=True)
 
