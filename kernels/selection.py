@@ -1005,7 +1005,7 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
     acc = tl.zeros([GP, DKP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
     for it in range(first_slot * NSUB, n_walk * NSUB):
-        _, toks, kmask = _tile_keys(row, kept, it, start, last, SEL, BN, NP)
+        first, toks, kmask = _tile_keys(row, kept, it, start, last, SEL, BN, NP)
         if TT > 0:  # the first slot naming the walk's block: the one the dK dV pass wrote
             blk = _slot_block(row, kept, it // NSUB, NP)
             slot = tl.min(tl.where(named == blk, slots, NP), axis=0)
@@ -1013,8 +1013,16 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
             slot = it // NSUB
         sub = (it % NSUB) * BN + tl.arange(0, BN)
         kt = _load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
+        # dS rows whole: the dK dV pass wrote every key of a block the query sees (zeros past
+        # the query, where K loads zeros too), so one mask per row keeps the loads 16 bytes
+        # wide; a key mask made them 2-byte loads (ncu, H200: a fifth of the kernel's stalls)
+        # the group's rows where the pass stored the block's dS, else none (a bound, not an &
+        # of a scalar: the interpreter's broadcast & of booleans gives int32)
+        dmask = (g < tl.where(first - (it % NSUB) * BN <= last, G, 0))[:, None]
+        if SEL % BN != 0:  # the block's last tile runs past its end, into the next slot
+            dmask = dmask & (sub < SEL)[None, :]
         dst = tl.load(ds + (((ds_rows + slot) * G + g) * SEL)[:, None] + sub[None, :],
-                      mask=gmask[:, None] & kmask[None, :], other=0.0)
+                      mask=dmask, other=0.0)
         acc += tl.dot(dst, kt, input_precision=PREC)
     _store_dq(acc * scale, dq, dq_add0, dq_add1, b * sdq_b + t * sdq_t + heads * sdq_h, gmask,
               passed, DK, DKP, ADDS, TT)
@@ -1070,6 +1078,10 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
         kt = _load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
         vt = _load_tile(v, b * sv_b + toks * sv_t + h * sv_h, kmask, DV, DVP)
 
+        toks32 = toks.to(tl.int32)  # key positions < 2**31: 32-bit compares
+        # the tile's last key, masked or not: a tile running past t_last (or past the block)
+        # always takes the causal mask below, which zeroes its keys past every query
+        key_last = (tl.load(chunks + pid * 4 + 3) + tile * BN + BN - 1).to(tl.int32)
         QPT: tl.constexpr = BM // GP2  # queries per tile
         kcols = tl.arange(0, DKP)
         vcols = tl.arange(0, DVP)
@@ -1092,13 +1104,21 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
             lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
             dlt = tl.load(delta + stat, mask=rmask, other=0.0)
 
+            # rows past the chunk or repeats load lse = -inf, so exp2 gives them P = 0 already;
+            # only entries before the tile's last key (ascending: the chunk's first ones) need
+            # the causal mask, whose compares cost a tenth of the loop's instructions (ncu, H200)
             pT = tl.exp2(tl.dot(kt, qT, input_precision=PREC) * qk_scale - lse2[None, :])
-            pT = tl.where(rmask[None, :] & (toks[:, None] <= tpos[None, :]), pT, 0.0)
+            causal = tl.load(ent_pos + e) < key_last
+            if causal:
+                pT = tl.where(toks32[:, None] <= tpos[None, :], pT, 0.0)
             if HAS_GATE:
                 pT = pT * tl.load(gate + stat, mask=rmask, other=0.0)[None, :]
             dv_acc += tl.dot(pT.to(dot_.dtype), dot_, input_precision=PREC)
             dpT = tl.dot(vt, tl.trans(dot_), input_precision=PREC)
-            dsT = (pT * (dpT - dlt[None, :])).to(qT.dtype)
+            dsT = pT * (dpT - dlt[None, :])
+            if causal:  # dP of a key the row does not see may be non-finite (its V): dS is 0
+                dsT = tl.where(toks32[:, None] <= tpos[None, :], dsT, 0.0)
+            dsT = dsT.to(qT.dtype)
             dk_acc += tl.dot(dsT, tl.trans(qT), input_precision=PREC)
             if STORE_DS:
                 slot = tl.load(ent_slot + ent, mask=rmask, other=0).to(tl.int64)
@@ -1117,8 +1137,11 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
         dv_mask = kmask[:, None] & (vcols[None, :] < DV)
         if ORDERED:
             # the previous chunk of the same block (chunks of a block are consecutive)
-            same_block = (pid > 0) & (tl.load(chunks + pid * 4 - 2) == bh) & \
-                (tl.load(chunks + pid * 4 - 1) == tl.load(chunks + pid * 4 + 3))
+            # chunk 0 reads its own row: & does not short-circuit, and the 16 bytes before
+            # chunks may be unmapped (an illegal address at 64k on an H200)
+            prev = tl.maximum(pid - 1, 0) * 4
+            same_block = (pid > 0) & (tl.load(chunks + prev + 2) == bh) & \
+                (tl.load(chunks + prev + 3) == tl.load(chunks + pid * 4 + 3))
             if same_block:
                 ordered.wait_for(sync, ticket - NT)
             # .cg: read what the previous chunk wrote through L2, not a stale L1 line
