@@ -170,14 +170,17 @@ def index_in_layout(block_idx: torch.Tensor, layout: str, num_blocks: int,
     raise ValueError(f"unknown index layout {layout!r}")
 
 
-def compile_for_sm90(*args: object, ptxas_log: bool = False) -> subprocess.CompletedProcess:
+def compile_for_sm90(*args: object, ptxas_log: bool = False,
+                     sass: bool = False) -> subprocess.CompletedProcess:
     """tests/sm90_compile.py with args, in a subprocess without TRITON_INTERPRET (ptxas needs
     the compiler's path, which the interpreter skips). ptxas_log: every kernel compiled afresh
     (not from Triton's cache) with ptxas' -v log (registers, spills) in stdout before its
-    `compiled` line."""
+    `compiled` line. sass: a `sass NAME narrow COUNT` line after it (2-byte global accesses)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if ptxas_log:
         env.update(TRITON_ALWAYS_COMPILE="1", TRITON_DUMP_PTXAS_LOG="1")
+    if sass:
+        env.update(SM90_SASS="1")
     script = Path(__file__).with_name("sm90_compile.py")
     return subprocess.run([sys.executable, str(script), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=900)

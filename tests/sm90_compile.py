@@ -17,12 +17,18 @@ with the specialization Triton's JIT gives them on a GPU (16-byte aligned pointe
 divisible by 16 marked divisible, integers equal to 1 made constants): without it the compiler
 pipelines fewer loads and reports less shared memory than the GPU asks (the compressed dq at
 D = 256, (128, 64) tiles, 2 stages: 192 KB here unspecialized, 256 KB on an H100 and here
-specialized). Prints one line per kernel: `compiled NAME OPTIONS smem BYTES`.
+specialized). Prints one line per kernel: `compiled NAME OPTIONS smem BYTES`, and with SM90_SASS=1
+after it `sass NAME narrow COUNT`: its 2-byte global loads and stores (`narrow_accesses`).
 """
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -70,6 +76,21 @@ class CompileForSm90:
                                   target=GPUTarget("cuda", 90, 32), options=options)
         print("compiled", self.kernel.__name__, options, "smem", compiled.metadata.shared,
               flush=True)
+        if os.environ.get("SM90_SASS") == "1":
+            print("sass", self.kernel.__name__, "narrow", narrow_accesses(compiled.asm["cubin"]),
+                  flush=True)
+
+
+def narrow_accesses(cubin: bytes) -> int:
+    """2-byte global loads and stores in a kernel's SASS (nvdisasm of its cubin): a 16-bit tile
+    moved an element at a time, where a mask varying along its contiguous dimension keeps Triton
+    from vectorizing (kernels/selection.py's dq from dS did, 16 a tile)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    return len(re.findall(r"\b(?:LDG|STG)\.E\.(?:U16|S16|16)\b", sass))
 
 
 def select(l, d, sel, n, T, HQ, H, D):
