@@ -1014,10 +1014,10 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
         sub = (it % NSUB) * BN + tl.arange(0, BN)
         kt = _load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
         # dS rows whole: the dK dV pass wrote every key of a block the query sees (zeros past
-        # the query, where K loads zeros too), so one mask per row keeps the loads 16 bytes
-        # wide; a key mask made them 2-byte loads (ncu, H200: a fifth of the kernel's stalls)
-        # the group's rows where the pass stored the block's dS, else none (a bound, not an &
-        # of a scalar: the interpreter's broadcast & of booleans gives int32)
+        # the query, where K loads zeros too), so a mask per row (the group's heads where the
+        # pass stored the block, else none) keeps the loads 16 bytes wide; a key mask made them
+        # 2-byte loads (ncu, H200: a fifth of the kernel's stalls). A bound, not an & with a
+        # scalar: the interpreter's broadcast & of booleans gives int32
         dmask = (g < tl.where(first - (it % NSUB) * BN <= last, G, 0))[:, None]
         if SEL % BN != 0:  # the block's last tile runs past its end, into the next slot
             dmask = dmask & (sub < SEL)[None, :]
@@ -1106,7 +1106,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
 
             # rows past the chunk or repeats load lse = -inf, so exp2 gives them P = 0 already;
             # only entries before the tile's last key (ascending: the chunk's first ones) need
-            # the causal mask, whose compares cost a tenth of the loop's instructions (ncu, H200)
+            # the causal mask (its compares: a tenth of the loop's SASS, 1-2% of the time at 8k)
             pT = tl.exp2(tl.dot(kt, qT, input_precision=PREC) * qk_scale - lse2[None, :])
             causal = tl.load(ent_pos + e) < key_last
             if causal:
