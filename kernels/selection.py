@@ -1071,7 +1071,8 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
         # keys past the chunk's last query get nothing from it (and stay inside the sequence)
         t_last = tl.load(ent_pos + e1 - 1)
         offs = tile * BN + tl.arange(0, BN)
-        toks = tl.load(chunks + pid * 4 + 3) + offs
+        block_first = tl.load(chunks + pid * 4 + 3)
+        toks = block_first + offs
         kmask = toks <= t_last
         if SEL % BN != 0:  # the block's last tile runs past its end
             kmask = kmask & (offs < SEL)
@@ -1081,7 +1082,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
         toks32 = toks.to(tl.int32)  # key positions < 2**31: 32-bit compares
         # the tile's last key, masked or not: a tile running past t_last (or past the block)
         # always takes the causal mask below, which zeroes its keys past every query
-        key_last = (tl.load(chunks + pid * 4 + 3) + tile * BN + BN - 1).to(tl.int32)
+        key_last = (block_first + tile * BN + BN - 1).to(tl.int32)
         QPT: tl.constexpr = BM // GP2  # queries per tile
         kcols = tl.arange(0, DKP)
         vcols = tl.arange(0, DVP)
@@ -1141,7 +1142,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
             # chunks may be unmapped (an illegal address at 64k on an H200)
             prev = tl.maximum(pid - 1, 0) * 4
             same_block = (pid > 0) & (tl.load(chunks + prev + 2) == bh) & \
-                (tl.load(chunks + prev + 3) == tl.load(chunks + pid * 4 + 3))
+                (tl.load(chunks + prev + 3) == block_first)
             if same_block:
                 ordered.wait_for(sync, ticket - NT)
             # .cg: read what the previous chunk wrote through L2, not a stale L1 line

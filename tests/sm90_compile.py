@@ -22,15 +22,13 @@ after it `sass NAME narrow COUNT`: its 2-byte global loads and stores (`narrow_a
 """
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
-from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.tools.disasm import get_sass
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
@@ -82,15 +80,10 @@ class CompileForSm90:
 
 
 def narrow_accesses(cubin: bytes) -> int:
-    """2-byte global loads and stores in a kernel's SASS (nvdisasm of its cubin): a 16-bit tile
-    moved an element at a time, where a mask varying along its contiguous dimension keeps Triton
-    from vectorizing (kernels/selection.py's dq from dS did, 16 a tile)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", f.name], capture_output=True,
-                              text=True, check=True).stdout
-    return len(re.findall(r"\b(?:LDG|STG)\.E\.(?:U16|S16|16)\b", sass))
+    """2-byte global loads and stores in a kernel's SASS (Triton's cuobjdump of its cubin): a
+    16-bit tile moved an element at a time, where a mask varying along its contiguous dimension
+    keeps Triton from vectorizing (kernels/selection.py's dq from dS did, 16 a tile)."""
+    return len(re.findall(r"\b(?:LDG|STG)\.E\.(?:U16|S16|16)\b", get_sass(cubin)))
 
 
 def select(l, d, sel, n, T, HQ, H, D):

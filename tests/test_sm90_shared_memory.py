@@ -1,7 +1,7 @@
 """Every Triton kernel the routed ops (decode included) launch on an H100 fits its shared
-memory, and at the spec's geometry spills few registers, checked without a GPU:
-tests/sm90_compile.py compiles them for sm_90 through ptxas with the GPU's tile tables and the
-specialization Triton's JIT gives real launches. A tile that asks for more shared memory cannot
+memory, and at the spec's geometry spills few registers and moves 16-bit tiles in wide
+accesses, checked without a GPU: tests/sm90_compile.py compiles them for sm_90 through ptxas
+with the GPU's tile tables and the specialization Triton's JIT gives real launches. A tile that asks for more shared memory cannot
 launch (OutOfResources on the first call), one that spills runs slowly, and the CPU suite runs the
 interpreter, which takes any tile. The head rows are the widest each routed path serves: 16-bit
 D = 256 (the Triton rows' limit, where FA-2 and cuDNN refuse or the queries sit at an offset) and
@@ -55,10 +55,10 @@ SPEC_SPILL_BYTES = 1024
 DECODE = {"_fused_kernel", "_partials_kernel", "_combine_kernel"}
 
 
-def test_routed_kernels_spill_little_at_spec_geometry():
-    """...and move their 16-bit tiles in wide accesses: no 2-byte global load or store in a
-    prefill kernel's SASS (dq from stored dS made 16 a tile, loading dS under a per-key mask:
-    a fifth of its stall samples on an H200)."""
+def test_routed_kernels_spill_little_and_access_wide_at_spec_geometry():
+    """Spills within SPEC_SPILL_BYTES, and no 2-byte global load or store in a prefill kernel's
+    SASS (dq from stored dS made 16 a tile, loading dS under a per-key mask: a fifth of its stall
+    samples on an H200)."""
     run = compile_for_sm90("routed", "bfloat16", 128, 128, 64, 4, ptxas_log=True, sass=True)
     assert run.returncode == 0, run.stderr[-3000:]
     spills = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", run.stdout,
