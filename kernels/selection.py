@@ -1029,13 +1029,68 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
 
 
 @triton.jit
+def _dkdv_rows(q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_slots, e_start,
+               e_stop, e1, b, h, offs, toks32, kt, vt, dk_acc, dv_acc, sq_b, sq_t, sq_h, sdo_b,
+               sdo_t, sdo_h, T, N, qk_scale, H: tl.constexpr, G: tl.constexpr,
+               GP2: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DKP: tl.constexpr,
+               DVP: tl.constexpr, SEL: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+               STORE_DS: tl.constexpr, SKIP_PASSED: tl.constexpr, HAS_GATE: tl.constexpr,
+               CAUSAL: tl.constexpr):
+    """`_dkdv_kernel`'s steps over the chunk's entries e_start:e_stop (of e1), [BM] rows a
+    step, in transposed form (scores as [BN, BM]: P^T and dS^T feed the dk / dv dots directly).
+    CAUSAL: some row precedes some key, where P and dS are zeroed (dP of a key the row does not
+    see may be non-finite, its V); without it rows see the whole tile."""
+    QPT: tl.constexpr = BM // GP2
+    kcols = tl.arange(0, DKP)
+    vcols = tl.arange(0, DVP)
+    r = tl.arange(0, BM)
+    g = r % GP2
+    heads = h * G + g
+    for e in range(e_start, e_stop, QPT):
+        ent = e + r // GP2
+        tq = tl.load(ent_tok + ent, mask=ent < e1, other=-1).to(tl.int64)
+        rmask = (tq >= 0) & (g < G)  # -1: past the chunk, or a row's repeat of the block
+        qT = tl.load(q + (b * sq_b + tq * sq_t + heads * sq_h)[None, :] + kcols[:, None],
+                     mask=rmask[None, :] & (kcols[:, None] < DK), other=0.0)
+        dot_ = tl.load(do + (b * sdo_b + tq * sdo_t + heads * sdo_h)[:, None] + vcols[None, :],
+                       mask=rmask[:, None] & (vcols[None, :] < DV), other=0.0)
+        stat = (b * T + tq) * (H * G) + heads
+        # rows past the chunk or repeats load lse = -inf, so exp2 gives them P = 0
+        lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
+        dlt = tl.load(delta + stat, mask=rmask, other=0.0)
+        pT = tl.exp2(tl.dot(kt, qT, input_precision=PREC) * qk_scale - lse2[None, :])
+        if CAUSAL:
+            seen = toks32[:, None] <= tl.load(ent_pos + ent, mask=rmask, other=0)[None, :]
+            pT = tl.where(seen, pT, 0.0)
+        if HAS_GATE:
+            pT = pT * tl.load(gate + stat, mask=rmask, other=0.0)[None, :]
+        dv_acc += tl.dot(pT.to(dot_.dtype), dot_, input_precision=PREC)
+        dpT = tl.dot(vt, tl.trans(dot_), input_precision=PREC)
+        dsT = pT * (dpT - dlt[None, :])
+        if CAUSAL:
+            dsT = tl.where(seen, dsT, 0.0)
+        dsT = dsT.to(qT.dtype)
+        dk_acc += tl.dot(dsT, tl.trans(qT), input_precision=PREC)
+        if STORE_DS:
+            slot = tl.load(ent_slot + ent, mask=rmask, other=0).to(tl.int64)
+            store = rmask
+            if SKIP_PASSED:
+                passed = tl.load(passed_slots + (b * T + tq) * H + h, mask=rmask, other=0)
+                store = store & (((passed >> slot) & 1) == 0)
+            at = ((((b * T + tq) * H + h) * N + slot) * G + g) * SEL
+            tl.store(ds + at[None, :] + offs[:, None], dsT,
+                     mask=store[None, :] & (offs[:, None] < SEL))
+    return dk_acc, dv_acc
+
+
+@triton.jit
 def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent_pos, ent_slot,
                  passed_slots, sync,
                  sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sdo_b, sdo_t, sdo_h,
                  T, TK, N, scale, qk_scale,
                  H: tl.constexpr, G: tl.constexpr, GP2: tl.constexpr, DK: tl.constexpr,
                  DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, SEL: tl.constexpr,
-                 BN: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+                 BN: tl.constexpr, BM: tl.constexpr, CE: tl.constexpr, PREC: tl.constexpr,
                  ORDERED: tl.constexpr, STORE_DS: tl.constexpr, SKIP_PASSED: tl.constexpr,
                  HAS_GATE: tl.constexpr):
     """Partial dk/dv of one key tile from one chunk of the queries that selected its block.
@@ -1083,54 +1138,29 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
         # the tile's last key, masked or not: a tile running past t_last (or past the block)
         # always takes the causal mask below, which zeroes its keys past every query
         key_last = (block_first + tile * BN + BN - 1).to(tl.int32)
-        QPT: tl.constexpr = BM // GP2  # queries per tile
-        kcols = tl.arange(0, DKP)
-        vcols = tl.arange(0, DVP)
-        r = tl.arange(0, BM)
-        g = r % GP2
-        heads = h * G + g
         dk_acc = tl.zeros([BN, DKP], tl.float32)
         dv_acc = tl.zeros([BN, DVP], tl.float32)
-        # transposed form (scores as [BN, BM]): P^T and dS^T feed the dk/dv dots directly
-        for e in range(e0, e1, QPT):
-            ent = e + r // GP2
-            tq = tl.load(ent_tok + ent, mask=ent < e1, other=-1).to(tl.int64)
-            rmask = (tq >= 0) & (g < G)  # -1: past the chunk, or a row's repeat of the block
-            tpos = tl.load(ent_pos + ent, mask=rmask, other=0)
-            qT = tl.load(q + (b * sq_b + tq * sq_t + heads * sq_h)[None, :] + kcols[:, None],
-                         mask=rmask[None, :] & (kcols[:, None] < DK), other=0.0)
-            dot_ = tl.load(do + (b * sdo_b + tq * sdo_t + heads * sdo_h)[:, None] + vcols[None, :],
-                           mask=rmask[:, None] & (vcols[None, :] < DV), other=0.0)
-            stat = (b * T + tq) * (H * G) + heads
-            lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
-            dlt = tl.load(delta + stat, mask=rmask, other=0.0)
+        # only entries before the tile's last key need the causal mask: ascending, the chunk's
+        # first ones, which a loop of their own takes, so that the others never compare (the
+        # mask's compares were a tenth of the loop's SASS, and kept on the others' path)
+        QPT: tl.constexpr = BM // GP2  # queries per tile
+        firsts = e0 + tl.arange(0, CE)
+        causal = tl.sum((tl.load(ent_pos + firsts, mask=firsts < e1, other=key_last)
+                         < key_last).to(tl.int32), 0)
+        e_split = tl.minimum(e0 + (causal + QPT - 1) // QPT * QPT, e1)
+        dk_acc, dv_acc = _dkdv_rows(
+            q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_slots, e0, e_split,
+            e1, b, h, offs, toks32, kt, vt, dk_acc, dv_acc, sq_b, sq_t, sq_h, sdo_b, sdo_t,
+            sdo_h, T, N, qk_scale, H, G, GP2, DK, DV, DKP, DVP, SEL, BM, PREC, STORE_DS,
+            SKIP_PASSED, HAS_GATE, True)
+        dk_acc, dv_acc = _dkdv_rows(
+            q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_slots, e_split, e1,
+            e1, b, h, offs, toks32, kt, vt, dk_acc, dv_acc, sq_b, sq_t, sq_h, sdo_b, sdo_t,
+            sdo_h, T, N, qk_scale, H, G, GP2, DK, DV, DKP, DVP, SEL, BM, PREC, STORE_DS,
+            SKIP_PASSED, HAS_GATE, False)
 
-            # rows past the chunk or repeats load lse = -inf, so exp2 gives them P = 0 already;
-            # only entries before the tile's last key (ascending: the chunk's first ones) need
-            # the causal mask (its compares: a tenth of the loop's SASS, 1-2% of the time at 8k)
-            pT = tl.exp2(tl.dot(kt, qT, input_precision=PREC) * qk_scale - lse2[None, :])
-            causal = tl.load(ent_pos + e) < key_last
-            if causal:
-                pT = tl.where(toks32[:, None] <= tpos[None, :], pT, 0.0)
-            if HAS_GATE:
-                pT = pT * tl.load(gate + stat, mask=rmask, other=0.0)[None, :]
-            dv_acc += tl.dot(pT.to(dot_.dtype), dot_, input_precision=PREC)
-            dpT = tl.dot(vt, tl.trans(dot_), input_precision=PREC)
-            dsT = pT * (dpT - dlt[None, :])
-            if causal:  # dP of a key the row does not see may be non-finite (its V): dS is 0
-                dsT = tl.where(toks32[:, None] <= tpos[None, :], dsT, 0.0)
-            dsT = dsT.to(qT.dtype)
-            dk_acc += tl.dot(dsT, tl.trans(qT), input_precision=PREC)
-            if STORE_DS:
-                slot = tl.load(ent_slot + ent, mask=rmask, other=0).to(tl.int64)
-                store = rmask
-                if SKIP_PASSED:
-                    passed = tl.load(passed_slots + (b * T + tq) * H + h, mask=rmask, other=0)
-                    store = store & (((passed >> slot) & 1) == 0)
-                at = ((((b * T + tq) * H + h) * N + slot) * G + g) * SEL
-                tl.store(ds + at[None, :] + offs[:, None], dsT,
-                         mask=store[None, :] & (offs[:, None] < SEL))
-
+        kcols = tl.arange(0, DKP)
+        vcols = tl.arange(0, DVP)
         out = (b * TK + toks) * H + h
         dk_ptr = dk + out[:, None] * DK + kcols[None, :]
         dv_ptr = dv + out[:, None] * DV + vcols[None, :]
@@ -1638,7 +1668,7 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, Tk, n, scale, qk_scale,
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
-        PREC=prec, ORDERED=ordered_adds, STORE_DS=stored, SKIP_PASSED=skip_passed,
+        CE=pow2(index.recipe.queries_per_chunk), PREC=prec, ORDERED=ordered_adds, STORE_DS=stored, SKIP_PASSED=skip_passed,
         HAS_GATE=gate is not None, num_warps=warps, num_stages=stages)
     if stored:
         launch(_dq_ds_kernel)[(T, B * H)](
