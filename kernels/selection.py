@@ -1046,10 +1046,19 @@ def _dkdv_rows(q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_s
     r = tl.arange(0, BM)
     g = r % GP2
     heads = h * G + g
+    # each step's query tokens come from the step before: the gathers' addresses then wait on
+    # no load of their own step
+    ent = e_start + r // GP2
+    tq_next = tl.load(ent_tok + ent, mask=ent < e1, other=-1)
     for e in range(e_start, e_stop, QPT):
         ent = e + r // GP2
-        tq = tl.load(ent_tok + ent, mask=ent < e1, other=-1).to(tl.int64)
+        tq = tq_next.to(tl.int64)
+        tq_next = tl.load(ent_tok + ent + QPT, mask=ent + QPT < e1, other=-1)
         rmask = (tq >= 0) & (g < G)  # -1: past the chunk, or a row's repeat of the block
+        if STORE_DS:  # loaded early, used late
+            slot = tl.load(ent_slot + ent, mask=rmask, other=0).to(tl.int64)
+            if SKIP_PASSED:
+                passed = tl.load(passed_slots + (b * T + tq) * H + h, mask=rmask, other=0)
         qT = tl.load(q + (b * sq_b + tq * sq_t + heads * sq_h)[None, :] + kcols[:, None],
                      mask=rmask[None, :] & (kcols[:, None] < DK), other=0.0)
         dot_ = tl.load(do + (b * sdo_b + tq * sdo_t + heads * sdo_h)[:, None] + vcols[None, :],
@@ -1072,10 +1081,8 @@ def _dkdv_rows(q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_s
         dsT = dsT.to(qT.dtype)
         dk_acc += tl.dot(dsT, tl.trans(qT), input_precision=PREC)
         if STORE_DS:
-            slot = tl.load(ent_slot + ent, mask=rmask, other=0).to(tl.int64)
             store = rmask
             if SKIP_PASSED:
-                passed = tl.load(passed_slots + (b * T + tq) * H + h, mask=rmask, other=0)
                 store = store & (((passed >> slot) & 1) == 0)
             at = ((((b * T + tq) * H + h) * N + slot) * G + g) * SEL
             tl.store(ds + at[None, :] + offs[:, None], dsT,
@@ -1232,13 +1239,17 @@ def _dkdv_config(dtype: torch.dtype, sel_block: int, dkp: int, dvp: int, gp2: in
     Storing dS (whole stored backward, three interleaved rounds at `bf10887`, 64k random /
     runs of 64 alike): (64, 32, 4, 2) 29.12-29.16 / 25.01-25.27 ms, (64, 32, 4, 3) 30.35-30.87 /
     26.12-26.33, (64, 16, 4, 2) 33.82-33.83 / 29.80-30.04, (64, 32, 8, 2) 47.58-47.59 /
-    42.93-43.15: the pick stays.
+    42.93-43.15: the pick stays. Since each step's query tokens come from the step before
+    (`_dkdv_rows`), a third stage prefetches whole steps ahead (H200, stored backward, three
+    interleaved rounds, dK dV kernel alone, 8k / 64k random / 64k runs of 64 alike): (64, 32,
+    4, 2) 1.68-1.72 / 14.68-15.86 / 13.09-13.45 ms, (64, 32, 4, 3) 1.65-1.67 / 14.25-14.97 /
+    12.94-13.34.
     """
     wide, width = _wide(dkp, dvp), dkp + dvp
     if cuda_core_dots(dtype):
         return _key_tile(sel_block, 32), max(16 if wide else 32, gp2), 8 if wide else 4, 2
     if not wide:
-        return _key_tile(sel_block, 64), max(32, gp2), 4, 2
+        return _key_tile(sel_block, 64), max(32, gp2), 4, 3
     if width <= 512:
         return _key_tile(sel_block, 64), max(64 if width <= 384 else 32, gp2), 8, 2
     return _key_tile(sel_block, 32), max(64, gp2), 8, 2
