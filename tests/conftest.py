@@ -12,6 +12,9 @@ import helpers
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import fast_interpreter
+    fast_interpreter.install()
 
 
 def pytest_collection_modifyitems(config, items):
