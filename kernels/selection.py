@@ -1111,7 +1111,8 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
     it) into ds [B, T, H, N, G, SEL] at the slot ent_slot names, for `_dq_ds_kernel`;
     SKIP_PASSED: not for the slots `_dq_plan_kernel` marked in passed_slots (dq's shared pass
     took their blocks). HAS_GATE: dO is scaled by the rows' gates (`utils.unscaled_do_gate`): P
-    takes them (and so the dS stored).
+    takes them (and so the dS stored). CE: a power of two no smaller than any chunk's entries
+    (the index's queries_per_chunk), over which a chunk's causal ones are counted.
     """
     # AOTInductor passes Python floats as fp64
     scale = tl.cast(scale, tl.float32)
@@ -1152,9 +1153,9 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
         # mask's compares were a tenth of the loop's SASS, and kept on the others' path)
         QPT: tl.constexpr = BM // GP2  # queries per tile
         firsts = e0 + tl.arange(0, CE)
-        causal = tl.sum((tl.load(ent_pos + firsts, mask=firsts < e1, other=key_last)
-                         < key_last).to(tl.int32), 0)
-        e_split = tl.minimum(e0 + (causal + QPT - 1) // QPT * QPT, e1)
+        causal_entries = tl.sum((tl.load(ent_pos + firsts, mask=firsts < e1, other=key_last)
+                                 < key_last).to(tl.int32), 0)
+        e_split = tl.minimum(e0 + (causal_entries + QPT - 1) // QPT * QPT, e1)
         dk_acc, dv_acc = _dkdv_rows(
             q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_slots, e0, e_split,
             e1, b, h, offs, toks32, kt, vt, dk_acc, dv_acc, sq_b, sq_t, sq_h, sdo_b, sdo_t,
@@ -1679,8 +1680,9 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
         *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         T, Tk, n, scale, qk_scale,
         H=H, G=G, GP2=gp2, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, BM=bm,
-        CE=pow2(index.recipe.queries_per_chunk), PREC=prec, ORDERED=ordered_adds, STORE_DS=stored, SKIP_PASSED=skip_passed,
-        HAS_GATE=gate is not None, num_warps=warps, num_stages=stages)
+        CE=pow2(index.recipe.queries_per_chunk), PREC=prec, ORDERED=ordered_adds,
+        STORE_DS=stored, SKIP_PASSED=skip_passed, HAS_GATE=gate is not None, num_warps=warps,
+        num_stages=stages)
     if stored:
         launch(_dq_ds_kernel)[(T, B * H)](
             k, ds, dq, *dq_adds, rows, bidx, *queries.kernel_args(bidx), *_strides(k),
