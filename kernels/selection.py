@@ -558,7 +558,7 @@ _SHARED_DQ_PROGRAMS = 2
 # where neighbouring queries select alike (H100, spec geometry, whole selection backward,
 # recomputed -> stored: runs of 64 alike 8k 2.84 -> 3.20 ms, 16k 5.84-6.00 -> 6.22-6.35; random
 # 8k 3.74 -> 3.64, 16k 7.74-8.06 -> 7.10-7.13), so there it works dq out again.
-# The buffer is laid out [B, T, H, N, G, SEL]: a (query, block)'s dS for the G heads of its
+# The buffer was laid out [B, T, H, N, G, SEL]: a (query, block)'s dS for the G heads of its
 # group is one contiguous piece (2 KB at the spec's geometry) for the dK dV pass to write and dq
 # to read, where [B, T, HQ, N, SEL] cut it into G rows 2 KB apart. H100, whole stored backward,
 # four interleaved rounds, [B, T, HQ, N, SEL] -> [B, T, H, N, G, SEL]: 16k random 7.11-7.12 ->
@@ -566,6 +566,14 @@ _SHARED_DQ_PROGRAMS = 2
 # 25.00-25.25; dq bitwise the same. Not kept (three rounds, within the spread): the stores with
 # an evict-first or streaming (.cs) hint, dq's dS loads evict-first. With dS stored the dK dV
 # kernel takes 17.35 ms at 64k against 13.67 without (8.6 GB written at 2.3 TB/s).
+# Since then each piece is [SEL, G], dS^T as the dK dV pass's dot leaves it in registers (its
+# rows are (query, head) pairs), so the store needs no pass through shared memory, and dq sums
+# dq^T = K^T dS^T with K^T loaded as such (async copies, as before; reading dS [G, SEL] from
+# this layout, or transposing a loaded K tile, took registers through shared memory: dq from
+# dS 7.5 -> 7.7 / 12.8 ms at 64k). H200, old and new kernels side by side, three interleaved
+# rounds, dK dV / dq from dS: random 8k 1.67-1.72 / 0.76 -> 1.57-1.58 / 0.76 ms, 64k
+# 14.4-15.6 / 7.5-7.7 -> 13.7-14.6 / 7.5-7.7; runs of 64 alike 8k 1.49 / 0.15 -> 1.38 / 0.14,
+# 64k 12.9-13.0 / 1.21 -> 12.1-12.3 / 1.11-1.13 (dq's sums in another order: 1e-6 apart).
 STORED_DS_SHARE = 16
 STORED_DS_MIN_TOKENS = 16384
 
@@ -987,7 +995,7 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
                   IS_VARLEN: tl.constexpr, ADDS: tl.constexpr, TT: tl.constexpr,
                   PREC: tl.constexpr):
     """dq of one (token, group) as the sum over its selected keys of dS K, with dS as the dK dV
-    pass stored it (`_dkdv_kernel`, STORE_DS; ds [B, T, H, N, G, SEL] by the slot of the block
+    pass stored it (`_dkdv_kernel`, STORE_DS; ds [B, T, H, N, SEL, G] by the slot of the block
     in block_idx): only K is read, one dot per tile, where `_dq_kernel` reads K and V and works
     P and dS out again. Adds dq_add0 / dq_add1 as `_dq_kernel` does. TT > 0: the shared pass ran,
     bidx holds its `_rest_rows` and orig the block_idx rows, where a block's slot is found."""
@@ -1002,7 +1010,8 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
     g = heads - h * G
     ds_rows = ((b * T + t) * H + h) * N
 
-    acc = tl.zeros([GP, DKP], tl.float32)
+    kcols = tl.arange(0, DKP)
+    accT = tl.zeros([DKP, GP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
     for it in range(first_slot * NSUB, n_walk * NSUB):
         first, toks, kmask = _tile_keys(row, kept, it, start, last, SEL, BN, NP)
@@ -1012,18 +1021,21 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
         else:
             slot = it // NSUB
         sub = (it % NSUB) * BN + tl.arange(0, BN)
-        kt = _load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
-        # dS rows whole: the dK dV pass wrote every key of a block the query sees (zeros past
-        # the query, where K loads zeros too), so a mask per row (the group's heads where the
-        # pass stored the block, else none) keeps the loads 16 bytes wide; a key mask made them
+        # K^T [DKP, BN] loaded as such (not a transposed tile): the loads stay async copies
+        ktT = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[None, :] + kcols[:, None],
+                      mask=kmask[None, :] & (kcols[:, None] < DK), other=0.0)
+        # dS whole: the dK dV pass wrote every key of a block the query sees (zeros past the
+        # query, where K loads zeros too), so a mask per head (the group's where the pass
+        # stored the block, else none) keeps the loads 16 bytes wide; a key mask made them
         # 2-byte loads (ncu, H200: a fifth of the kernel's stalls). A bound, not an & with a
         # scalar: the interpreter's broadcast & of booleans gives int32
-        dmask = (g < tl.where(first - (it % NSUB) * BN <= last, G, 0))[:, None]
+        dmask = (g < tl.where(first - (it % NSUB) * BN <= last, G, 0))[None, :]
         if SEL % BN != 0:  # the block's last tile runs past its end, into the next slot
-            dmask = dmask & (sub < SEL)[None, :]
-        dst = tl.load(ds + (((ds_rows + slot) * G + g) * SEL)[:, None] + sub[None, :],
+            dmask = dmask & (sub < SEL)[:, None]
+        dsT = tl.load(ds + ((ds_rows + slot) * (SEL * G) + g)[None, :] + (sub * G)[:, None],
                       mask=dmask, other=0.0)
-        acc += tl.dot(dst, kt, input_precision=PREC)
+        accT += tl.dot(ktT, dsT, input_precision=PREC)
+    acc = tl.trans(accT)
     _store_dq(acc * scale, dq, dq_add0, dq_add1, b * sdq_b + t * sdq_t + heads * sdq_h, gmask,
               passed, DK, DKP, ADDS, TT)
 
@@ -1084,8 +1096,8 @@ def _dkdv_rows(q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_s
             store = rmask
             if SKIP_PASSED:
                 store = store & (((passed >> slot) & 1) == 0)
-            at = ((((b * T + tq) * H + h) * N + slot) * G + g) * SEL
-            tl.store(ds + at[None, :] + offs[:, None], dsT,
+            at = (((b * T + tq) * H + h) * N + slot) * (SEL * G) + g
+            tl.store(ds + at[None, :] + (offs * G)[:, None], dsT,
                      mask=store[None, :] & (offs[:, None] < SEL))
     return dk_acc, dv_acc
 
@@ -1108,7 +1120,7 @@ def _dkdv_kernel(q, k, v, do, lse, delta, gate, dk, dv, ds, chunks, ent_tok, ent
     pairs. ORDERED (the deterministic mode, kernels/ordered.py): a 1-D grid of tickets,
     chunk-major, and the chunks of one block add into dk/dv in chunk order instead of
     atomically. STORE_DS: also writes each row's dS (unscaled, in q's dtype, as the dK dot takes
-    it) into ds [B, T, H, N, G, SEL] at the slot ent_slot names, for `_dq_ds_kernel`;
+    it) into ds [B, T, H, N, SEL, G] at the slot ent_slot names, for `_dq_ds_kernel`;
     SKIP_PASSED: not for the slots `_dq_plan_kernel` marked in passed_slots (dq's shared pass
     took their blocks). HAS_GATE: dO is scaled by the rows' gates (`utils.unscaled_do_gate`): P
     takes them (and so the dS stored). CE: a power of two no smaller than any chunk's entries
