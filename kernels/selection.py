@@ -567,10 +567,12 @@ _SHARED_DQ_PROGRAMS = 2
 # an evict-first or streaming (.cs) hint, dq's dS loads evict-first. With dS stored the dK dV
 # kernel takes 17.35 ms at 64k against 13.67 without (8.6 GB written at 2.3 TB/s).
 # Since then each piece is [SEL, G], dS^T as the dK dV pass's dot leaves it in registers (its
-# rows are (query, head) pairs), so the store needs no pass through shared memory, and dq sums
-# dq^T = K^T dS^T with K^T loaded as such (async copies, as before; reading dS [G, SEL] from
-# this layout, or transposing a loaded K tile, took registers through shared memory: dq from
-# dS 7.5 -> 7.7 / 12.8 ms at 64k). H200, old and new kernels side by side, three interleaved
+# rows are (query, head) pairs): on its way to the 16-byte global stores the tile passes through
+# shared memory as a plain copy (sm_90 SASS: two 16-byte shared stores and two ldmatrix a
+# thread, one barrier a step) where [G, SEL] took two transposing stmatrix and three barriers.
+# dq sums dq^T = K^T dS^T with K^T loaded as such (async copies, as before; reading dS [G, SEL]
+# out of this layout, or transposing a loaded K tile, took registers through shared memory: dq
+# from dS 7.5 -> 7.7 / 12.8 ms at 64k). H200, old and new kernels side by side, three interleaved
 # rounds, dK dV / dq from dS: random 8k 1.67-1.72 / 0.76 -> 1.57-1.58 / 0.76 ms, 64k
 # 14.4-15.6 / 7.5-7.7 -> 13.7-14.6 / 7.5-7.7; runs of 64 alike 8k 1.49 / 0.15 -> 1.38 / 0.14,
 # 64k 12.9-13.0 / 1.21 -> 12.1-12.3 / 1.11-1.13 (dq's sums in another order: 1e-6 apart).
