@@ -573,9 +573,10 @@ _SHARED_DQ_PROGRAMS = 2
 # dq sums dq^T = K^T dS^T with K^T loaded as such (async copies, as before; reading dS [G, SEL]
 # out of this layout, or transposing a loaded K tile, took registers through shared memory: dq
 # from dS 7.5 -> 7.7 / 12.8 ms at 64k). H200, old and new kernels side by side, three interleaved
-# rounds, dK dV / dq from dS: random 8k 1.67-1.72 / 0.76 -> 1.57-1.58 / 0.76 ms, 64k
-# 14.4-15.6 / 7.5-7.7 -> 13.7-14.6 / 7.5-7.7; runs of 64 alike 8k 1.49 / 0.15 -> 1.38 / 0.14,
-# 64k 12.9-13.0 / 1.21 -> 12.1-12.3 / 1.11-1.13 (dq's sums in another order: 1e-6 apart).
+# rounds in each of two runs, dK dV / dq from dS: random 8k 1.67-1.72 / 0.76 -> 1.57-1.63 / 0.76
+# ms, 64k 14.1-15.6 / 7.4-7.7 -> 13.5-15.1 (five rounds of six 13.5-14.6) / 7.4-7.8; runs of 64
+# alike 8k 1.49-1.63 / 0.15 -> 1.38-1.50 / 0.14, 64k 12.6-13.0 / 1.19-1.22 -> 12.0-12.4 /
+# 1.11-1.13 (dq's sums in another order: 1e-6 apart).
 STORED_DS_SHARE = 16
 STORED_DS_MIN_TOKENS = 16384
 
