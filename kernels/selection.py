@@ -91,6 +91,16 @@ def _load_tile(ptr, row_off, row_mask, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
+def _load_tile_t(ptr, row_off, row_mask, D: tl.constexpr, DP: tl.constexpr):
+    """`_load_tile` transposed, [DP, rows], loaded as such: a tile transposed after its load
+    reaches a dot through registers and shared memory, where this one's loads stay async copies
+    into the dot's operand."""
+    cols = tl.arange(0, DP)
+    mask = row_mask[None, :] & (cols[:, None] < D)
+    return tl.load(ptr + row_off[None, :] + cols[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
 def _store_tile(ptr, row_off, row_mask, x, D: tl.constexpr, DP: tl.constexpr):
     cols = tl.arange(0, DP)
     mask = row_mask[:, None] & (cols[None, :] < D)
@@ -307,13 +317,8 @@ def _tile_keys(row, kept, it, start, last, SEL: tl.constexpr, BN: tl.constexpr,
 def _kv_tiles(k, v, b, toks, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, DK: tl.constexpr,
               DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr):
     """The K [BN, DKP] and V [BN, DVP] rows of keys toks of head h; zero outside kmask."""
-    kcols = tl.arange(0, DKP)
-    vcols = tl.arange(0, DVP)
-    kt = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[:, None] + kcols[None, :],
-                 mask=kmask[:, None] & (kcols[None, :] < DK), other=0.0)
-    vt = tl.load(v + (b * sv_b + toks * sv_t + h * sv_h)[:, None] + vcols[None, :],
-                 mask=kmask[:, None] & (vcols[None, :] < DV), other=0.0)
-    return kt, vt
+    return (_load_tile(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP),
+            _load_tile(v, b * sv_b + toks * sv_t + h * sv_h, kmask, DV, DVP))
 
 
 @triton.jit
@@ -1013,7 +1018,6 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
     g = heads - h * G
     ds_rows = ((b * T + t) * H + h) * N
 
-    kcols = tl.arange(0, DKP)
     accT = tl.zeros([DKP, GP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
     for it in range(first_slot * NSUB, n_walk * NSUB):
@@ -1024,9 +1028,7 @@ def _dq_ds_kernel(k, ds, dq, dq_add0, dq_add1, bidx, orig, cu_q, cu_k, OFF, NSEQ
         else:
             slot = it // NSUB
         sub = (it % NSUB) * BN + tl.arange(0, BN)
-        # K^T [DKP, BN] loaded as such (not a transposed tile): the loads stay async copies
-        ktT = tl.load(k + (b * sk_b + toks * sk_t + h * sk_h)[None, :] + kcols[:, None],
-                      mask=kmask[None, :] & (kcols[:, None] < DK), other=0.0)
+        ktT = _load_tile_t(k, b * sk_b + toks * sk_t + h * sk_h, kmask, DK, DKP)
         # dS whole: the dK dV pass wrote every key of a block the query sees (zeros past the
         # query, where K loads zeros too), so a mask per head (the group's where the pass
         # stored the block, else none) keeps the loads 16 bytes wide; a key mask made them
@@ -1056,8 +1058,6 @@ def _dkdv_rows(q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_s
     CAUSAL: some row precedes some key, where P and dS are zeroed (dP of a key the row does not
     see may be non-finite, its V); without it rows see the whole tile."""
     QPT: tl.constexpr = BM // GP2
-    kcols = tl.arange(0, DKP)
-    vcols = tl.arange(0, DVP)
     r = tl.arange(0, BM)
     g = r % GP2
     heads = h * G + g
@@ -1074,10 +1074,8 @@ def _dkdv_rows(q, do, lse, delta, gate, ds, ent_tok, ent_pos, ent_slot, passed_s
             slot = tl.load(ent_slot + ent, mask=rmask, other=0).to(tl.int64)
             if SKIP_PASSED:
                 passed = tl.load(passed_slots + (b * T + tq) * H + h, mask=rmask, other=0)
-        qT = tl.load(q + (b * sq_b + tq * sq_t + heads * sq_h)[None, :] + kcols[:, None],
-                     mask=rmask[None, :] & (kcols[:, None] < DK), other=0.0)
-        dot_ = tl.load(do + (b * sdo_b + tq * sdo_t + heads * sdo_h)[:, None] + vcols[None, :],
-                       mask=rmask[:, None] & (vcols[None, :] < DV), other=0.0)
+        qT = _load_tile_t(q, b * sq_b + tq * sq_t + heads * sq_h, rmask, DK, DKP)
+        dot_ = _load_tile(do, b * sdo_b + tq * sdo_t + heads * sdo_h, rmask, DV, DVP)
         stat = (b * T + tq) * (H * G) + heads
         # rows past the chunk or repeats load lse = -inf, so exp2 gives them P = 0
         lse2 = _lse_log2(tl.load(lse + stat, mask=rmask, other=float("-inf")))
