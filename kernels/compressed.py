@@ -23,7 +23,7 @@ from torch import Tensor
 
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
-from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, given_delta, launch,
+from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, row_bytes, unit_last_stride,
                                    unscaled_do_gate)
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
@@ -834,7 +834,7 @@ def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_
     g_pad = max(g_pad, 16 // tok)
     sb = max(table_sb if nblk is None else min(table_sb, pow2(nblk)), 16)
     # a merge every step where the sequence has fewer steps than one merge would gather
-    merge = merge if nblk is None or triton.cdiv(nblk, sb) >= merge else 1
+    merge = merge if nblk is None or cdiv(nblk, sb) >= merge else 1
     n_pad = pow2(num_sel)
     # Only a top-n wider than one merge's pending scores widens the step: a step of n blocks
     # leaves _score_tile's one wide dot, and took n = 48 / 64 3.4x the time of n = 16 on an
@@ -896,7 +896,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     lay = _layout(T, NC, block_len, block_stride, cu_seqlens, q.device,
                   seqlen_k=seqlen_k, cu_seqlens_k=cu_seqlens_k)
     cfg = _attn_cfg("fwd", G, _tier(q.dtype, DK, DV), NC)
-    launch(_fwd_kernel)[(triton.cdiv(T, cfg.tok), B * H)](
+    launch(_fwd_kernel)[(cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, o, lse, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(o, 0, 1, 2),
         T, NC, H, G, HQ, scale * LOG2E,
@@ -936,7 +936,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
                   DV_PAD=_pad(DV), VARLEN=lay.varlen, PREC=dot_precision(q.dtype))
     tier = _tier(q.dtype, DK, DV)
     cfg = _attn_cfg("dq", G, tier, NC)
-    launch(_dq_kernel)[(triton.cdiv(T, cfg.tok), B * H)](
+    launch(_dq_kernel)[(cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, do, lse, delta, gate_arg, dq, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
         *_s(dq, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
@@ -944,7 +944,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
         num_stages=cfg.num_stages, HAS_GATE=gate is not None, **common)
     if NC > 0:
         cfg = _attn_cfg("dkdv", G, tier, NC)
-        key_tiles = triton.cdiv(NC, cfg.block_n)
+        key_tiles = cdiv(NC, cfg.block_n)
         nsplit = _dkdv_splits(key_tiles * B * H, T, cfg.tok, q.device)
         if nsplit > 1:
             dk_acc = torch.zeros(dk.shape, dtype=torch.float32, device=dk.device)
@@ -988,10 +988,10 @@ def _dkdv_splits(programs: int, T: int, tok: int, device) -> int:
     if device.type != "cuda" or not isinstance(programs, int):
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, min(triton.cdiv(8 * sms, programs), 128))
+    want = max(1, min(cdiv(8 * sms, programs), 128))
     # a symbolic T (dynamic-length trace) must not pick a grid dimension: splits past the query
     # tokens are empty programs, never wrong ones
-    return min(want, triton.cdiv(T, 4 * tok)) if isinstance(T, int) else want
+    return min(want, cdiv(T, 4 * tok)) if isinstance(T, int) else want
 
 
 def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
@@ -1011,13 +1011,13 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
                   cu_seqlens_k=cu_seqlens_k)
     span = key_span(T, NC, block_len, block_stride, seqlen_k, cu_seqlens_k)
     # a dynamic-length trace (AOTInductor) has a symbolic span: no constexpr may depend on it
-    nblk = triton.cdiv(span, sel_block) if isinstance(span, int) else None
+    nblk = cdiv(span, sel_block) if isinstance(span, int) else None
     # key tiles per step: l'/d, plus the l/d - 1 recomputed ones when l > l' (_score_tile)
     loads = sel_block // block_stride + (block_len // block_stride - 1
                                          if block_len > sel_block else 0)
     tok, g_pad, sb, merge, options = _select_cfg(G, _tier(q.dtype, DK), num_sel, nblk,
                                                       loads)
-    launch(_select_kernel)[(triton.cdiv(T, tok), B * H)](
+    launch(_select_kernel)[(cdiv(T, tok), B * H)](
         q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
         T, NC, H, G, HQ, scale * LOG2E,

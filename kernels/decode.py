@@ -54,7 +54,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels.compressed import key_block, top_n_keys
-from nsa_ops.kernels.utils import dot_precision, pow2, row_bytes
+from nsa_ops.kernels.utils import cdiv, dot_precision, pow2, row_bytes
 from nsa_ops.reference import num_cmp
 from nsa_ops.routing import DecodeGeometry, decode_geometry_refusal
 
@@ -491,7 +491,7 @@ def _plan(B: int, H: int, capacity: int, block_len: int, block_stride: int, sel_
           splits: Optional[tuple[int, int, int]], fused: Optional[bool]) -> _Plan:
     rpb = sel_block // block_stride
     jt = max(1, 64 // rpb)  # 64 compressed rows per tile (rpb is a power of two)
-    nblk_cap = triton.cdiv(capacity, sel_block)
+    nblk_cap = cdiv(capacity, sel_block)
     if fused is None:
         fused = splits is None and B * H >= FUSED_MIN_GROUPS_PER_SM * _sm_count(device)
     if fused:
@@ -499,13 +499,13 @@ def _plan(B: int, H: int, capacity: int, block_len: int, block_stride: int, sel_
     if splits is None:
         # about PROGRAMS_PER_SM programs per SM in each launch (B=1 at 64k: 64 compressed
         # chunks of one tile per KV head), never more chunks than there are tiles to share
-        per_group = max(1, triton.cdiv(PROGRAMS_PER_SM * _sm_count(device), B * H))
-        splits = (min(per_group, triton.cdiv(nblk_cap, jt)),
-                  min(per_group, triton.cdiv(min(window, capacity), _WINDOW_TILE)),
+        per_group = max(1, cdiv(PROGRAMS_PER_SM * _sm_count(device), B * H))
+        splits = (min(per_group, cdiv(nblk_cap, jt)),
+                  min(per_group, cdiv(min(window, capacity), _WINDOW_TILE)),
                   min(per_group, num_sel))
     nc, nw, ns = splits
-    sps = triton.cdiv(num_sel, ns)
-    return _Plan(False, nc, nw, triton.cdiv(num_sel, sps), sps, jt, nblk_cap)
+    sps = cdiv(num_sel, ns)
+    return _Plan(False, nc, nw, cdiv(num_sel, sps), sps, jt, nblk_cap)
 
 
 def _fail(msg: str):

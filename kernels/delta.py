@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.kernels.utils import launch, pow2
+from nsa_ops.kernels.utils import cdiv, launch, pow2
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def row_delta(o: Tensor, do: Tensor, dlse: Optional[Tensor]) -> Tensor:
     delta = torch.empty(B, T, HQ, dtype=torch.float32, device=o.device)
     block_r = max(16, 4096 // pow2(DV, 16))
     dlse = dlse.to(torch.float32).contiguous() if dlse is not None else None
-    launch(_delta_kernel)[(triton.cdiv(T * HQ, block_r), B)](
+    launch(_delta_kernel)[(cdiv(T * HQ, block_r), B)](
         o, do, dlse, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1),
         do.stride(2), T, HQ, DV=DV, DV_PAD=pow2(DV, 16), BLOCK_R=block_r,
         HAS_DLSE=dlse is not None)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.kernels.utils import launch, pow2
+from nsa_ops.kernels.utils import cdiv, launch, pow2
 
 # Rows (tokens x heads) per program: 32 rows of 128 values is 8 KB per input, enough loads in
 # flight to stream at HBM speed.
@@ -99,7 +99,7 @@ def _launch(o: Tensor) -> tuple[int, dict]:
     rows, dv = o.numel() // o.shape[-1], o.shape[-1]
     dvp = pow2(dv)
     block_r = max(1, min(128, BLOCK_BYTES // (dvp * o.element_size())))
-    return triton.cdiv(rows, block_r), dict(DV=dv, DVP=dvp, BLOCK_R=block_r)
+    return cdiv(rows, block_r), dict(DV=dv, DVP=dvp, BLOCK_R=block_r)
 
 
 def _gate_rows(g: Tensor) -> tuple[Tensor, int]:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.kernels.utils import launch, pow2
+from nsa_ops.kernels.utils import cdiv, launch, pow2
 
 _TOKENS = 16  # query tokens a `_keys_kernel` program takes at most (rows of H * n entries)
 _KEY_ENTRIES = 4096  # entries a `_keys_kernel` program holds at most (many heads x slots)
@@ -180,12 +180,12 @@ def selection_index(block_idx: Tensor, sel_block: int, Tk: int, cu_seqlens: Opti
     keys = torch.empty(E, dtype=key_dtype, device=device)
     hnp = pow2(H * n)
     tokens = max(1, min(_TOKENS, _KEY_ENTRIES // hnp))
-    launch(_keys_kernel)[(triton.cdiv(T, tokens), B)](
+    launch(_keys_kernel)[(cdiv(T, tokens), B)](
         block_idx, keys, *seq_args, block_idx.stride(0), T, nbk, num_keys, H=H, N=n, HNP=hnp,
         SEL=sel_block, TOKENS=tokens, IS_VARLEN=varlen, num_warps=4)
     keys, order = torch.sort(keys, stable=True)  # unread entries (num_keys) go last
 
-    entry_grid = (max(1, triton.cdiv(E, _ENTRIES)),)
+    entry_grid = (max(1, cdiv(E, _ENTRIES)),)
     bounds = torch.zeros(2, num_keys, dtype=torch.int64, device=device)
     launch(_bounds_kernel)[entry_grid](keys, bounds, E, num_keys, ENTRIES=_ENTRIES, num_warps=4)
     base = torch.empty(num_keys, dtype=torch.int64, device=device)

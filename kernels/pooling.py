@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_ops.kernels.utils import launch, pow2
+from nsa_ops.kernels.utils import cdiv, launch, pow2
 from nsa_ops.reference import cmp_rows
 
 
@@ -159,7 +159,7 @@ def mean_pool(x: Tensor, block_len: int, block_stride: int) -> Tensor:
     if out.numel() == 0:
         return out
     block_c, block_r = _fwd_tiles(H, D, block_len, x.element_size())
-    launch(_mean_pool_fwd_kernel)[(triton.cdiv(rows, block_r), triton.cdiv(H * D, block_c), B)](
+    launch(_mean_pool_fwd_kernel)[(cdiv(rows, block_r), cdiv(H * D, block_c), B)](
         x, out, *x.stride(), T, rows, out.numel(), LEN=block_len,
         STRIDE=block_stride, H=H, D=D, BLOCK_C=block_c, BLOCK_R=block_r,
         ACC=_accumulator(x), num_warps=4)
@@ -185,7 +185,7 @@ def add_mean_pool_backward(dx: Tensor, grad: Tensor, block_len: int, block_strid
         return dx
     width_pad, block_t = _bwd_tiles(H, D)
     o = dx if other is None else other
-    launch(_add_mean_pool_bwd_kernel)[(triton.cdiv(T, block_t), B)](
+    launch(_add_mean_pool_bwd_kernel)[(cdiv(T, block_t), B)](
         dx, o, grad, *dx.stride(), *o.stride(), *grad.stride(), T, float(block_len),
         STRIDE=block_stride, SPAN=block_len // block_stride, H=H, D=D, WIDTH_PAD=width_pad,
         BLOCK_T=block_t, HAS_OTHER=other is not None, ACC=_accumulator(dx, grad, other),

@@ -61,7 +61,7 @@ from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
 from nsa_ops.kernels.index import selection_index
-from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, given_delta, launch, pow2,
+from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch, pow2,
                                    tma_descriptors, tma_kv_reason, traced, unit_last_stride,
                                    unscaled_do_gate, use_tma)
 
@@ -1685,7 +1685,7 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
         for x in (ent_tok, ent_pos, ent_slot, chunks):
             if x is not None:
                 x.record_stream(main)
-    grid = (chunks.shape[0], triton.cdiv(sel_block, bn))
+    grid = (chunks.shape[0], cdiv(sel_block, bn))
     sync = ordered.sync_buffer(grid[0] * grid[1], q.device) if ordered_adds else bidx
     launch(_dkdv_kernel)[(grid[0] * grid[1],) if ordered_adds else grid](
         q, k, v, do, lse, delta, gate_arg, dk, dv, ds if stored else dq, chunks, ent_tok, ent_pos,

@@ -32,8 +32,8 @@ from torch import Tensor
 from nsa_ops import routing
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nsa_ops.kernels.utils import (cuda_core_dots, dot_precision, given_delta, launch, pow2,
-                                   row_bytes, tma_descriptors, tma_kv_reason, tma_layout,
+from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
+                                   pow2, row_bytes, tma_descriptors, tma_kv_reason, tma_layout,
                                    unit_last_stride, unscaled_do_gate, use_tma)
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
@@ -616,7 +616,7 @@ def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None, tma=None)
     o = torch.empty(B, T, HQ, Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, T, HQ, dtype=torch.float32, device=q.device)
     meta, kv, tma = _operands("fwd", tma, q, k, v)
-    grid = (triton.cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
+    grid = (cdiv(T * (HQ // H), meta["BLOCK_M"]), B * H)
     varlen = cu_seqlens is not None
     # fixed length: the kernel places query t at key t + Tk - T itself (no position arrays)
     starts, keypos = _positions(q, k, cu_seqlens, cu_seqlens_k) if varlen else (o, o)
@@ -655,14 +655,14 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     w = torch.sym_min(window, Tk)
     meta, kv, dq_tma = _operands("dq", tma, q, k, v)
-    launch(_bwd_dq_kernel)[(triton.cdiv(T * G, meta["BLOCK_M"]), B * H)](
+    launch(_bwd_dq_kernel)[(cdiv(T * G, meta["BLOCK_M"]), B * H)](
         q, k, v, *kv, o, do, lse, dlse_arg, delta, gate, starts, keypos, dq,
         *_strides(q, k, v, o, do, dq), T, Tk, H, G, w, Tk - T, scale * _LOG2E, scale,
         HAS_DLSE=dlse is not None, VARLEN=varlen, TMA=dq_tma, HAS_GATE=do_gate is not None,
         DELTA_GIVEN=given is not None, **meta)
     meta, rows, dkdv_tma = _operands("dkdv", tma, q, k, v, do)
     spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"]) if varlen else delta
-    launch(_bwd_dkdv_kernel)[(triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
+    launch(_bwd_dkdv_kernel)[(cdiv(Tk, meta["BLOCK_N"]), B * H)](
         q, k, v, do, *rows, lse, delta, gate, starts, keypos, spans, Tk - T, dk, dv,
         *_strides(q, k, v, do, dk, dv), T, Tk, H, G, w, scale * _LOG2E, scale,
         VARLEN=varlen, TMA=dkdv_tma, HAS_GATE=do_gate is not None, **meta)

@@ -8,7 +8,6 @@ Backward ops are ops too, so compiled and exported backward graphs keep them opa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import sys
 from typing import Any, NamedTuple, Optional
@@ -486,8 +485,7 @@ def _gate_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
 
 def _gate_route(*inputs: Optional[Tensor], backward: bool = False) -> routing.Route:
     o_cmp = inputs[0]
-    x = dataclasses.replace(Inputs.of(o_cmp, o_cmp, backward=backward),
-                            dtype=_gate_dtype(*inputs))
+    x = Inputs.of(o_cmp, o_cmp, backward=backward, dtype=_gate_dtype(*inputs))
     return observe.choose("gate_combine", x)
 
 

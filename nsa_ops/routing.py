@@ -81,33 +81,38 @@ class Inputs:
 
     @staticmethod
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False,
-           backward: bool = False) -> "Inputs":
-        cuda = q.device.type == "cuda"
-        sm = device_capability(q.device) if cuda else None
+           backward: bool = False, *, dtype: Optional[torch.dtype] = None,
+           decode: Optional[DecodeGeometry] = None,
+           compressed: Optional[CompressedGeometry] = None,
+           cudnn_planned: bool = False) -> "Inputs":
+        """The inputs q, v (dtype: q's unless given) describe; the keywords as the fields.
+        Built in one call: each op call routes, and dataclasses.replace costs 7 us a copy."""
+        device = q.device  # not q.is_cuda: a FakeTensor's own device is "meta"
+        cuda = device.type == "cuda"
         T = q.shape[1]
-        seqlen = T if isinstance(T, int) else T.node.maybe_as_int()
-        return Inputs(q.device.type, sm, q.dtype, q.shape[-1], v.shape[-1], seqlen,
-                      cu_seqlens is not None, offset=offset,
-                      capturing=cuda and torch.cuda.is_current_stream_capturing(),
-                      deterministic=torch.are_deterministic_algorithms_enabled(),
-                      backward=backward)
+        return Inputs(device.type, device_capability(device) if cuda else None,
+                      q.dtype if dtype is None else dtype, q.shape[-1], v.shape[-1],
+                      T if isinstance(T, int) else T.node.maybe_as_int(),
+                      cu_seqlens is not None, decode, compressed, offset,
+                      cuda and torch.cuda.is_current_stream_capturing(),
+                      torch.are_deterministic_algorithms_enabled(), backward, cudnn_planned)
 
     @staticmethod
     def of_compressed(q: torch.Tensor, v_cmp: torch.Tensor, block_len: int, block_stride: int,
                       cu_seqlens=None, offset: bool = False, backward: bool = False
                       ) -> "Inputs":
-        x = Inputs.of(q, v_cmp, cu_seqlens, offset, backward)
-        planned = x.capturing and compressed_sdpa.plans_built(q, v_cmp, block_len, block_stride,
-                                                              backward)
-        return dataclasses.replace(x, compressed=CompressedGeometry(block_len, block_stride),
-                                   cudnn_planned=planned)
+        planned = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and \
+            compressed_sdpa.plans_built(q, v_cmp, block_len, block_stride, backward)
+        return Inputs.of(q, v_cmp, cu_seqlens, offset, backward,
+                         compressed=CompressedGeometry(block_len, block_stride),
+                         cudnn_planned=planned)
 
     @staticmethod
     def of_cache(q: torch.Tensor, cache) -> "Inputs":
         """Decode inputs: the query rows q [B,Tq,HQ,Dk] over an NSACache."""
         c = cache.config
         geometry = DecodeGeometry(c.block_len, c.block_stride, c.sel_block, cache.k.shape[1])
-        return dataclasses.replace(Inputs.of(q, cache.v), decode=geometry)
+        return Inputs.of(q, cache.v, decode=geometry)
 
     def summary(self) -> str:
         """One line: everything routing looks at."""
@@ -397,6 +402,7 @@ def load(path) -> None:
     when set, hold again. Raises ValueError naming the file and the bad entry."""
     global _active
     _active = None if path is None else _read_thresholds(path, str(path))
+    _answers.clear()
 
 
 def save(path, values: Mapping[tuple[int, int], Mapping[str, Value]], comment: str = "") -> None:
@@ -700,9 +706,33 @@ def _refusal(r: Route, x: Inputs, is_forced: bool) -> Optional[str]:
     return r.refuse(x)
 
 
+# What routing answers depends on the op, the inputs, what forces the op and, for CPU inputs,
+# TRITON_INTERPRET, besides the thresholds (load() forgets the answers) and the process's
+# packages: each answer is kept. Every op call asks, forward and backward, and the window
+# kernel's wrapper asks again for the backend it was given: on the H200 machine's host a choice
+# cost 10.7 us, 4.8 kept (most of that `forced`'s two environment reads). Bounded: packed batches
+# bring a new T each.
+_ANSWERS_MAX = 4096
+_answers: dict = {}
+_UNKNOWN = object()
+
+
+def _remembered(key: tuple, x: Inputs, answer: Callable[[], object]):
+    if torch.compiler.is_compiling():  # Dynamo traces the lookup otherwise (decode is compiled)
+        return answer()
+    # an environment read costs 2 us; only CPU inputs are routed by this one
+    key = (*key, x.device_type == "cpu" and env.triton_interpret())
+    known = _answers.get(key, _UNKNOWN)
+    if known is _UNKNOWN:
+        if len(_answers) >= _ANSWERS_MAX:
+            _answers.clear()
+        known = _answers[key] = answer()
+    return known
+
+
 def forced_refusal(op: str, impl: str, x: Inputs) -> Optional[str]:
     """Why `impl` cannot serve x even when forced (as a kernel called by name is), or None."""
-    return _refusal(route(op, impl), x, True)
+    return _remembered(("refusal", op, impl, x), x, lambda: _refusal(route(op, impl), x, True))
 
 
 def reasons(op: str, x: Inputs) -> list[tuple[Route, Optional[str], str]]:
@@ -751,6 +781,10 @@ def _routing_error(op: str, x: Inputs, reasons: list[tuple[str, Optional[str]]])
 
 
 def choose(op: str, x: Inputs) -> Route:
+    return _remembered(("choice", op, x, forced(op)), x, lambda: _choose(op, x))
+
+
+def _choose(op: str, x: Inputs) -> Route:
     rows = reasons(op, x)
     for r, reason, _ in rows:
         if reason is None:

@@ -122,6 +122,27 @@ def test_env_forces_an_impl(monkeypatch):
         routing.choose("compressed_attention", x)
 
 
+def test_kept_answers_follow_forcing_and_thresholds(monkeypatch, tmp_path):
+    """Routing keeps its answers; asked again, the same inputs get a new one once the forcing
+    (environment, force()) or the thresholds (load) change."""
+    x = Inputs("cuda", (9, 0), BF16, 128, 128, 4096)
+    op = "selection_attention"
+    assert routing.choose(op, x).impl == "triton"
+    monkeypatch.setenv("NSA_OPS_FORCE_IMPL_SELECTION_ATTENTION", "reference")
+    assert routing.choose(op, x).impl == "reference"
+    monkeypatch.delenv("NSA_OPS_FORCE_IMPL_SELECTION_ATTENTION")
+    assert routing.choose(op, x).impl == "triton"
+    with routing.force(selection_attention="packed_sdpa"):
+        assert routing.choose(op, x).impl == "packed_sdpa"
+    assert routing.choose(op, x).impl == "triton"
+    path = tmp_path / "slow.yaml"
+    path.write_text("sm90:\n  selection_min_seqlen: 8192\n")
+    routing.load(path)
+    assert routing.choose(op, x).impl == "packed_sdpa"
+    routing.load(None)
+    assert routing.choose(op, x).impl == "triton"
+
+
 def test_describe_prints_every_op():
     text = routing.describe()
     for op in routing.OPS:
