@@ -885,15 +885,26 @@ def sliding_window_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: floa
     tma (the triton backend): read K/V through TMA descriptors (None: where `_tma_loads`
     allows)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    name = _backend_for(q, k, v, backend, cu_seqlens_k)
-    fwd, _ = _BACKENDS[name]
+    return routed_fwd(q, k, v, window, scale, cu_seqlens, _backend_for(q, k, v, backend,
+                                                                       cu_seqlens_k),
+                      cu_seqlens_k=cu_seqlens_k, tma=tma)
+
+
+def routed_fwd(q: Tensor, k: Tensor, v: Tensor, window: int, scale: float,
+               cu_seqlens: Optional[Tensor], backend: str, *,
+               cu_seqlens_k: Optional[Tensor] = None,
+               tma: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+    """`sliding_window_fwd` on inputs the sliding_window_attention op checked and routed to
+    `backend` (its routing row's target): without checking them or the backend again, which
+    cost the op's call 14-19 us of host time (H200 host, hot)."""
+    fwd, _ = _BACKENDS[backend]
     B, T, HQ, _ = q.shape
     if B * T == 0:
         return (q.new_empty(B, T, HQ, v.shape[3]),
                 q.new_empty(B, T, HQ, dtype=torch.float32))
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     return fwd(q, k, v, int(window), float(scale), cu_seqlens,
-               **_triton_extra(name, cu_seqlens_k, tma))
+               **_triton_extra(backend, cu_seqlens_k, tma))
 
 
 def _triton_extra(backend: str, cu_seqlens_k: Optional[Tensor], tma: Optional[bool],
@@ -927,10 +938,22 @@ def sliding_window_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, 
     T, HQ]): the gradients of do_gate * do, from do (`utils.unscaled_do_gate`). delta (the
     triton backend): rowsum(dO * O) where the caller has it (`utils.given_delta`)."""
     _check_inputs(q, k, v, window, cu_seqlens)
-    name = _backend_for(q, k, v, backend, cu_seqlens_k, backward=True)
-    _, bwd = _BACKENDS[name]
+    return routed_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens,
+                      _backend_for(q, k, v, backend, cu_seqlens_k, backward=True),
+                      cu_seqlens_k=cu_seqlens_k, tma=tma, do_gate=do_gate, delta=delta)
+
+
+def routed_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+               dlse: Optional[Tensor], window: int, scale: float,
+               cu_seqlens: Optional[Tensor], backend: str, *,
+               cu_seqlens_k: Optional[Tensor] = None, tma: Optional[bool] = None,
+               do_gate: Optional[Tensor] = None,
+               delta: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """`sliding_window_bwd` on inputs the op's backward checked and routed to `backend`, as
+    `routed_fwd`."""
+    _, bwd = _BACKENDS[backend]
     if q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, o, do = (unit_last_stride(x) for x in (q, k, v, o, do))
     return bwd(q, k, v, o, lse, do, dlse, int(window), float(scale), cu_seqlens,
-               **_triton_extra(name, cu_seqlens_k, tma, do_gate, delta))
+               **_triton_extra(backend, cu_seqlens_k, tma, do_gate, delta))

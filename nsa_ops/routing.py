@@ -573,8 +573,9 @@ class Route:
 
 _REF = "nsa_ops.reference"
 _SELECTION_INDEX = "nsa_ops.kernels.selection:backward_index"
-_WIN_FWD = "nsa_ops.kernels.window:sliding_window_fwd"
-_WIN_BWD = "nsa_ops.kernels.window:sliding_window_bwd"
+# the window kernels' entries for calls the op checked and routed (the row's backend option)
+_WIN_FWD = "nsa_ops.kernels.window:routed_fwd"
+_WIN_BWD = "nsa_ops.kernels.window:routed_bwd"
 TABLE: tuple[Route, ...] = (
     # with an lse gradient the cudnn row's backward runs the Triton backward (cuDNN has no dlse)
     Route("compressed_attention", "cudnn", "nsa_ops.compressed_sdpa:compressed_attention_fwd",
