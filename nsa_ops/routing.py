@@ -83,8 +83,7 @@ class Inputs:
     def of(q: torch.Tensor, v: torch.Tensor, cu_seqlens=None, offset: bool = False,
            backward: bool = False, *, dtype: Optional[torch.dtype] = None,
            decode: Optional[DecodeGeometry] = None,
-           compressed: Optional[CompressedGeometry] = None,
-           cudnn_planned: bool = False) -> "Inputs":
+           compressed: Optional[CompressedGeometry] = None) -> "Inputs":
         """The inputs q, v (dtype: q's unless given) describe; the keywords as the fields.
         Built in one call: each op call routes, and dataclasses.replace costs 7 us a copy."""
         device = q.device  # not q.is_cuda: a FakeTensor's own device is "meta"
@@ -95,17 +94,18 @@ class Inputs:
                       T if isinstance(T, int) else T.node.maybe_as_int(),
                       cu_seqlens is not None, decode, compressed, offset,
                       cuda and torch.cuda.is_current_stream_capturing(),
-                      torch.are_deterministic_algorithms_enabled(), backward, cudnn_planned)
+                      torch.are_deterministic_algorithms_enabled(), backward)
 
     @staticmethod
     def of_compressed(q: torch.Tensor, v_cmp: torch.Tensor, block_len: int, block_stride: int,
                       cu_seqlens=None, offset: bool = False, backward: bool = False
                       ) -> "Inputs":
-        planned = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and \
-            compressed_sdpa.plans_built(q, v_cmp, block_len, block_stride, backward)
-        return Inputs.of(q, v_cmp, cu_seqlens, offset, backward,
-                         compressed=CompressedGeometry(block_len, block_stride),
-                         cudnn_planned=planned)
+        x = Inputs.of(q, v_cmp, cu_seqlens, offset, backward,
+                      compressed=CompressedGeometry(block_len, block_stride))
+        if x.capturing and compressed_sdpa.plans_built(q, v_cmp, block_len, block_stride,
+                                                       backward):
+            return dataclasses.replace(x, cudnn_planned=True)
+        return x
 
     @staticmethod
     def of_cache(q: torch.Tensor, cache) -> "Inputs":
@@ -402,7 +402,7 @@ def load(path) -> None:
     when set, hold again. Raises ValueError naming the file and the bad entry."""
     global _active
     _active = None if path is None else _read_thresholds(path, str(path))
-    _answers.clear()
+    _choices.clear()
 
 
 def save(path, values: Mapping[tuple[int, int], Mapping[str, Value]], comment: str = "") -> None:
@@ -707,33 +707,9 @@ def _refusal(r: Route, x: Inputs, is_forced: bool) -> Optional[str]:
     return r.refuse(x)
 
 
-# What routing answers depends on the op, the inputs, what forces the op and, for CPU inputs,
-# TRITON_INTERPRET, besides the thresholds (load() forgets the answers) and the process's
-# packages: each answer is kept. Every op call asks, forward and backward, and the window
-# kernel's wrapper asks again for the backend it was given: on the H200 machine's host a choice
-# cost 10.7 us, 4.8 kept (most of that `forced`'s two environment reads). Bounded: packed batches
-# bring a new T each.
-_ANSWERS_MAX = 4096
-_answers: dict = {}
-_UNKNOWN = object()
-
-
-def _remembered(key: tuple, x: Inputs, answer: Callable[[], object]):
-    if torch.compiler.is_compiling():  # Dynamo traces the lookup otherwise (decode is compiled)
-        return answer()
-    # an environment read costs 2 us; only CPU inputs are routed by this one
-    key = (*key, x.device_type == "cpu" and env.triton_interpret())
-    known = _answers.get(key, _UNKNOWN)
-    if known is _UNKNOWN:
-        if len(_answers) >= _ANSWERS_MAX:
-            _answers.clear()
-        known = _answers[key] = answer()
-    return known
-
-
 def forced_refusal(op: str, impl: str, x: Inputs) -> Optional[str]:
     """Why `impl` cannot serve x even when forced (as a kernel called by name is), or None."""
-    return _remembered(("refusal", op, impl, x), x, lambda: _refusal(route(op, impl), x, True))
+    return _refusal(route(op, impl), x, True)
 
 
 def reasons(op: str, x: Inputs) -> list[tuple[Route, Optional[str], str]]:
@@ -781,8 +757,26 @@ def _routing_error(op: str, x: Inputs, reasons: list[tuple[str, Optional[str]]])
     return error
 
 
+# What routing chooses depends on the op, the inputs, what forces the op and, for CPU inputs,
+# TRITON_INTERPRET, besides the thresholds (load() forgets the choices) and the process's
+# packages: each choice is kept. Every op call asks, forward and backward: on the H200 machine's
+# host a choice cost 10.7 us, 4.8 kept (most of that `forced`'s two environment reads). Bounded:
+# packed batches bring a new T each.
+_CHOICES_MAX = 4096
+_choices: dict = {}
+
+
 def choose(op: str, x: Inputs) -> Route:
-    return _remembered(("choice", op, x, forced(op)), x, lambda: _choose(op, x))
+    if torch.compiler.is_compiling():  # Dynamo traces the lookup otherwise (decode is compiled)
+        return _choose(op, x)
+    # an environment read costs 2 us; only CPU inputs are routed by this one
+    key = (op, x, forced(op), x.device_type == "cpu" and env.triton_interpret())
+    chosen = _choices.get(key)
+    if chosen is None:
+        if len(_choices) >= _CHOICES_MAX:
+            _choices.clear()
+        chosen = _choices[key] = _choose(op, x)
+    return chosen
 
 
 def _choose(op: str, x: Inputs) -> Route:
