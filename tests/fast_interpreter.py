@@ -9,7 +9,14 @@ that repetition was 42% of an interpreted layer forward+backward (cProfile, T = 
 Within a launch, once the language modules a helper's module sees have been patched, its
 calls skip the patch; the first sight of each set still takes the interpreter's own path.
 Only the suite's time changes: each kernel still runs through the same interpreted ops.
+
+The interpreter also reduces an xor (`tl.standard.xor_sum`) one element at a time in Python,
+its fallback for a combine function it has no numpy form of; Triton's bitonic sort, under
+tl.sort and tl.topk, swaps through such reductions, so select_blocks' top-n spent 119 of a
+161 s test in them (cProfile, `test_select_blocks_merges_several_tiles[R4-4]`). numpy's
+`bitwise_xor.reduce` gives the same integers (xor is associative and exact) in one call.
 """
+import numpy as np
 import triton.language as tl
 
 
@@ -50,4 +57,24 @@ def install() -> bool:
 
     interpreter.GridExecutor.__call__ = launch_patching_once
     interpreter._patch_lang = patch_unless_in_place
+    _reduce_xor_in_numpy(interpreter)
     return True
+
+
+def _reduce_xor_in_numpy(interpreter) -> None:
+    """xor reductions in one numpy call where the interpreter has the layout this expects
+    (`ReduceOps` with axis, keep_dims and to_tensor); left as they are otherwise."""
+    reduce_ops = getattr(interpreter, "ReduceOps", None)
+    xor_combine = getattr(tl.standard, "_xor_combine", None)
+    if reduce_ops is None or xor_combine is None:
+        return
+    apply_impl = reduce_ops.apply_impl
+
+    def apply_xor_in_numpy(self, input):
+        if self.combine_fn is not xor_combine or len(input) != 1:
+            return apply_impl(self, input)
+        data = input[0].handle.data
+        return self.to_tensor(np.bitwise_xor.reduce(data, axis=self.axis, keepdims=self.keep_dims),
+                              input[0].dtype)
+
+    reduce_ops.apply_impl = apply_xor_in_numpy
