@@ -61,9 +61,9 @@ from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
 from nsa_ops.kernels.index import selection_index
-from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch, pow2,
-                                   tma_descriptors, tma_kv_reason, traced, unit_last_stride,
-                                   unscaled_do_gate, use_tma)
+from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
+                                   launch_options, pow2, tma_descriptors, tma_kv_reason, traced,
+                                   unit_last_stride, unscaled_do_gate, use_tma)
 
 LOG2E = tl.constexpr(math.log2(math.e))
 LN2 = tl.constexpr(math.log(2.0))
@@ -486,14 +486,26 @@ def _tma_loads(tma: Optional[bool], k: Tensor, v: Tensor, sel_block: int, bn: in
 
 
 # The shared pass (`_shared_fwd_kernel`): query rows per tile (queries of a group x the group's
-# heads padded to a power of two) and the (num_warps, num_stages) it launches with; measured on
-# an H100 (bf16, spec geometry, the whole selection forward at T = 8k / 16k / 64k, in a build
-# whose walk started from the pass's output instead of merging it last): 64 rows at (4, 3)
+# heads padded to a power of two) and the (num_warps, num_stages, maxnreg) it launches with;
+# measured on an H100 (bf16, spec geometry, the whole selection forward at T = 8k / 16k / 64k, in a
+# build whose walk started from the pass's output instead of merging it last): 64 rows at (4, 3)
 # 1.70 / 3.63 / 15.79 ms, at (4, 2) and (4, 1) 1.71-1.72 / 3.66-3.68 / 15.92-15.95, at (8, *)
-# 1.91-1.96 / 4.06-4.13 / 17.4-17.8; 128 and 256 rows 1.70-2.13 / 3.66-4.48 / 15.87-19.06.
+# 1.91-1.96 / 4.06-4.13 / 17.4-17.8; 128 and 256 rows 1.70-2.13 / 3.66-4.48 / 15.87-19.06. Since
+# the pass reads its block lists from `_shared_plan_kernel` and its whole blocks through TMA
+# (158 registers, 64 KB of shared memory at (4, 3)), H200, three interleaved rounds, random /
+# runs of 64 tokens selecting alike, 8k and 64k: (4, 2, 128) 1.478-1.481 / 0.940-0.941 and
+# 13.40-13.41 / 7.58-7.69 ms, (4, 3) 1.482-1.490 / 0.983-0.985 and 13.41-13.43 / 8.07-8.10,
+# (4, 2) 1.481 / 0.978-0.979 and 13.39-13.41 / 8.10-8.13, (4, 3, 128) 1.513-1.515 / 1.035 and
+# 13.66-13.68 / 8.46-8.53, (4, 4) 1.538-1.540 / 1.127-1.128 and 13.82-13.83 / 9.57-9.68, (8, 3)
+# 1.70 / 1.72 and 14.73-14.78 / 14.18-14.32; the pass with its lists worked out inside, at (4,
+# 3), 1.520-1.523 / 0.982-0.984 and 13.75-13.78 / 7.96-8.03, without the pass 1.548-1.550 /
+# 1.526-1.527 and 13.44-13.47 / 12.58-12.62. Wide heads (`_wide`) keep the uncapped (4, 3),
+# unmeasured since: at D = 256 the pass's [64, 256] fp32 output alone takes 128 registers a
+# thread, and ptxas refuses the cap.
 SHARED_ROWS = 64
-SHARED_CONFIGS = ((4, 3), (4, 2), (4, 1), (8, 2))
-_SHARED_PICK = (4, 3)
+SHARED_CONFIGS = ((4, 2, 128), (4, 3, None), (4, 2, None), (4, 3, 128), (4, 1, None),
+                  (8, 2, None))
+_SHARED_PICK = {"narrow": (4, 2, 128), "wide": (4, 3, None)}
 
 
 def _shared_group(G: int, bn: int) -> int:
@@ -769,8 +781,36 @@ def _fwd_kernel(q, k, v, kd, vd, o, lse, bidx, cu_q, cu_k, OFF, NSEQ,
 
 
 @triton.jit
-def _shared_fwd_kernel(q, k, v, o, lse, bidx, rest, OFF, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
-                       sv_b, sv_t, sv_h, so_b, so_t, so_h, T, N, qk_scale,
+def _shared_plan_kernel(bidx, rest, listed, OFF, T, N, H: tl.constexpr, SEL: tl.constexpr,
+                        TT: tl.constexpr, NP: tl.constexpr):
+    """What the forward's shared pass (`_shared_fwd_kernel`) attends: one program per (group of
+    TT queries at consecutive key positions, batch * KV head) writes the group's blocks
+    (`_shared_list`: those up to its own that all its queries selected), its own block last,
+    into listed [B * H, groups, NP], -1 past them, and the walk's rows into rest (`_rest_rows`).
+    Apart from the pass because this block-list logic, inside it, at the two programs an SM its
+    tiles then allowed, stalled on latencies nothing else hid: ncu on an H200 put half the
+    pass's stall samples in the ~1400 instructions before its first dot; here, with no tiles,
+    many programs an SM hide each other's (`SHARED_CONFIGS` has the times)."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    base = (OFF // TT + tl.program_id(0).to(tl.int64)) * TT
+    c = base // SEL
+    rows, real, toks = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
+    blocks, count = _shared_list(rows, real, c)
+    _rest_rows(rest, rows, real, blocks, count, toks, b, h, T, N, H, c)
+    slots = tl.arange(0, NP)
+    own = tl.max(((blocks == c) & (slots < count)).to(tl.int32), axis=0)
+    before, n_before = _compact(blocks[None, :], ((blocks != c) & (slots < count))[None, :])
+    before = tl.reshape(before, blocks.shape)
+    n_before = tl.sum(n_before, axis=0)
+    tl.store(listed + (bh * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * NP + slots,
+             tl.where(slots < n_before, before, tl.where((slots == n_before) & (own > 0), c, -1)))
+
+
+@triton.jit
+def _shared_fwd_kernel(q, k, v, kd, vd, o, lse, listed, OFF, sq_b, sq_t, sq_h, sk_b, sk_t,
+                       sk_h, sv_b, sv_t, sv_h, so_b, so_t, so_h, T, qk_scale,
                        H: tl.constexpr, G: tl.constexpr, GPD: tl.constexpr, DK: tl.constexpr,
                        DV: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
                        SEL: tl.constexpr, BN: tl.constexpr, TT: tl.constexpr,
@@ -779,30 +819,38 @@ def _shared_fwd_kernel(q, k, v, o, lse, bidx, rest, OFF, sq_b, sq_t, sq_h, sk_b,
     on every query, and trained models' neighbouring queries select mostly the same blocks, so
     the per-token walk would read them once per query: here one program per (group of TT
     queries at consecutive key positions, batch * KV head) attends the blocks all the group's
-    queries selected (`_shared_by_group`) with its TT x G query rows as one tile, reading their
-    K/V once per group, keys up to its first query's, which all of them see. Writes the
-    normalised o and lse (-inf: nothing attended), which the walk (TT > 0) merges, and in rest
-    the blocks left to the walk (`_rest_rows`)."""
+    queries selected (`_shared_by_group`, listed by `_shared_plan_kernel`) with its TT x G query
+    rows as one tile, reading their K/V once per group, keys up to its first query's, which all
+    of them see. The blocks before the group's own come whole through the walk's TMA
+    descriptors kd, vd (boxes of BN keys); the own block, listed last, through masked loads:
+    its keys past the group's first query never reach a sum, not even non-finite ones. Writes
+    the normalised o and lse (-inf: nothing attended), which the walk (TT > 0) merges."""
     qk_scale = tl.cast(qk_scale, tl.float32)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     base = (OFF // TT + tl.program_id(0).to(tl.int64)) * TT
+    c = base // SEL
+    plan = listed + (bh * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * NP
+    row = tl.load(plan + tl.arange(0, NP))
+    own = tl.max((row == c).to(tl.int32), axis=0)
     toks, rmask, heads = _group_tile(base, OFF, T, h, G, GPD, TT)
     qt = _load_tile(q, b * sq_b + toks * sq_t + heads * sq_h, rmask, DK, DKP)
-
-    rows, real, group_toks = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
-    listed, count = _shared_list(rows, real, base // SEL)
-    _rest_rows(rest, rows, real, listed, count, group_toks, b, h, T, N, H, base // SEL)
 
     m = tl.full([TT * GPD], -1e30, tl.float32)
     l = tl.zeros([TT * GPD], tl.float32)
     acc = tl.zeros([TT * GPD, DVP], tl.float32)
     NSUB: tl.constexpr = (SEL + BN - 1) // BN
-    # masked loads: keys past the group's first query never reach a sum, not even non-finite ones
-    for it in range(count * NSUB):
-        offs, keys = _listed_keys(listed, it, SEL, BN)
-        kmask = (keys <= base) & (offs < SEL)
+    offs = tl.arange(0, BN)
+    whole = offs >= 0
+    for it in range((tl.sum((row >= 0).to(tl.int32), axis=0) - own) * NSUB):
+        at = [b.to(tl.int32), (tl.load(plan + it // NSUB) * SEL + it % NSUB * BN).to(tl.int32),
+              h.to(tl.int32), 0]
+        m, l, acc = _attend(qt, tl.reshape(kd.load(at), (BN, DKP)),
+                            tl.reshape(vd.load(at), (BN, DVP)), whole, m, l, acc, qk_scale, PREC)
+    for it in range(own * ((base - c * SEL) // BN + 1)):
+        keys = c * SEL + it * BN + offs
+        kmask = keys <= base
         kt, vt = _kv_tiles(k, v, b, keys, h, kmask, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
                            DK, DV, DKP, DVP)
         m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
@@ -1413,17 +1461,22 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
                          HQ // H, constants["BN"], q.dtype)
     qk_scale = scale * math.log2(math.e)
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
-    if group:
-        off = Tk - T
-        shared_constants = dict(constants, BN=_key_tile(sel_block, 64), GPD=pow2(HQ // H))
-        del shared_constants["GP"]
-        num_warps, num_stages = _SHARED_PICK
-        rest = torch.empty_like(bidx)
-        launch(_shared_fwd_kernel)[(_num_groups(T, off, group), B * H)](
-            q, k, v, o, lse, bidx, rest, off, *strides, T, n, qk_scale, TT=group,
-            **shared_constants, num_warps=num_warps, num_stages=num_stages)
     kv = tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
         else (k, v)
+    if group:
+        off = Tk - T
+        shared_constants = dict(constants, GPD=pow2(HQ // H))
+        del shared_constants["GP"]
+        rest = torch.empty_like(bidx)
+        groups = _num_groups(T, off, group)
+        listed = torch.empty(B * H, groups, constants["NP"], dtype=torch.int32, device=q.device)
+        launch(_shared_plan_kernel)[(groups, B * H)](
+            bidx, rest, listed, off, T, n, H=H, SEL=sel_block, TT=group, NP=constants["NP"],
+            num_warps=1)
+        launch(_shared_fwd_kernel)[(groups, B * H)](
+            q, k, v, *kv, o, lse, listed, off, *strides, T, qk_scale, TT=group,
+            **shared_constants, **launch_options(*_SHARED_PICK["wide" if _wide(dkp, dvp)
+                                                               else "narrow"]))
     if gated is None:  # the combine's arguments go unread
         combine = (o, o, o, lse, lse, lse, 0, 0, 0)
         flags = dict(GATED=False, HAS_WIN=False, KEEP_BRANCH=True)
