@@ -14,10 +14,11 @@ neighbouring tokens select alike. Where the forward reads K/V through TMA (sm90+
 shared pass first attends, for groups of consecutive queries, the blocks all of the group's
 queries selected, as one tile (`_shared_fwd_kernel`, its lists from `_shared_plan_kernel`), and
 the per-token walk takes only each query's other blocks and merges that pass's output last (the
-merge rounds it to o's dtype once more). H100, bf16, spec geometry, T = 64k: forced blocks alone shared, 16.69 -> 15.43 ms (the walk
-13.70 of it); every block the group shares, random selections 15.37-15.43 -> 15.61-15.65 ms,
-runs of 64 tokens selecting alike 13.29-13.60 -> 8.17-8.30, the same with 5% / 20% of their
-blocks replaced at random 13.33-13.53 -> 9.40-9.54 / 13.61-13.63 -> 11.72-11.79.
+merge rounds it to o's dtype once more). H100, bf16, spec geometry, T = 64k: forced blocks
+alone shared, 16.69 -> 15.43 ms (the walk 13.70 of it); every block the group shares, random
+selections 15.37-15.43 -> 15.61-15.65 ms, runs of 64 tokens selecting alike 13.29-13.60 ->
+8.17-8.30, the same with 5% / 20% of their blocks replaced at random 13.33-13.53 -> 9.40-9.54 /
+13.61-13.63 -> 11.72-11.79.
 
 dq does the same where a group of queries shares at least SHARED_DQ_MIN blocks before its own
 (`_dq_plan_kernel`, `_shared_dq_kernel`): H100, 64k, whole selection backward, runs of 64 tokens
