@@ -23,6 +23,7 @@ from torch import Tensor
 
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
+from nsa_ops.kernels.softmax import running_max
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, row_bytes, unit_last_stride,
                                    unscaled_do_gate)
@@ -118,18 +119,16 @@ def _fwd_step(q, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, m_i, l_i, acc, qk_scal
     cols = n0 + tl.arange(0, BLOCK_N)
     inb = cols < end
     k = _load_keys(k_ptr, cols, skn, DK, DK_PAD, inb)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # log2 units
+    # unscaled scores: the scale (to log2 units) goes into the exponent's fused multiply-add
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if MASKED:
         vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
         s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # a row that has seen nothing yet keeps m = -inf; shift by 0 instead to avoid inf - inf
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)
-    p = tl.exp2(s - m_ref[:, None])
+    m_i, l_i, acc = running_max(m_i, tl.max(s, 1) * qk_scale, l_i, acc)
+    p = tl.exp2(s * qk_scale - m_i[:, None])
     v = _load_keys(v_ptr, cols, svn, DV, DV_PAD, inb)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+    acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_i, l_i + tl.sum(p, 1), acc
 
 
 @triton.jit
@@ -150,7 +149,8 @@ def _fwd_kernel(Q, K, V, O, LSE, SEQ, POS, CMP_CU,
     k_ptr = K + b * skb + kvh * skh
     v_ptr = V + b * svb + kvh * svh
 
-    m_i = tl.full([TOK * G_PAD], float("-inf"), tl.float32)
+    # finite start for the running max (`softmax.running_max`); rows that see nothing keep l = 0
+    m_i = tl.full([TOK * G_PAD], -1e30, tl.float32)
     l_i = tl.zeros([TOK * G_PAD], tl.float32)
     acc = tl.zeros([TOK * G_PAD, DV_PAD], tl.float32)
     start, mid, end = _tile_span(lo, hi, valid, BLOCK_N)

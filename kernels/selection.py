@@ -62,6 +62,7 @@ from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
 from nsa_ops.kernels.index import selection_index
+from nsa_ops.kernels.softmax import running_max
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, tma_descriptors, tma_kv_reason, traced,
                                    unit_last_stride, unscaled_do_gate, use_tma)
@@ -358,15 +359,14 @@ def _edge_tile(row, N, start, last, done, SEL: tl.constexpr, BN: tl.constexpr,
 
 @triton.jit
 def _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC: tl.constexpr):
-    """One key tile of the online softmax: the updated (running max, sum, output)."""
-    s = tl.dot(qt, tl.trans(kt), input_precision=PREC) * qk_scale
-    s = tl.where(kmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
-    return m_new, l, acc
+    """One key tile of the online softmax: the updated (running max, sum, output); the scale goes
+    into the tile's max and the exponent's fused multiply-add (`softmax.running_max`)."""
+    s = tl.where(kmask[None, :], tl.dot(qt, tl.trans(kt), input_precision=PREC), float("-inf"))
+    m, l, acc = running_max(m, tl.max(s, axis=1) * qk_scale, l, acc)
+    p = tl.exp2(s * qk_scale - m[:, None])
+    l += tl.sum(p, axis=1)
+    acc += tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
+    return m, l, acc
 
 
 @triton.jit

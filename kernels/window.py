@@ -35,6 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    pow2, row_bytes, tma_descriptors, tma_kv_reason, tma_layout,
                                    unit_last_stride, unscaled_do_gate, use_tma)
+from nsa_ops.kernels.softmax import running_max
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -140,7 +141,9 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
     q = tl.load(Q + _offsets(b, tok, head, sqb, sqt, sqh, dk),
                 mask=ok[:, None] & (dk[None, :] < DK), other=0.0)
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    # finite start for the running max (`softmax.running_max`): rows a tile masks whole then
+    # give exp2(-inf - m) = 0, no NaN
+    m = tl.full([BLOCK_M], -1e30, tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     lo, hi = _key_span(r0, T, G, W, START, KEYPOS, OFF, BLOCK_M, BLOCK_N, VARLEN)
@@ -158,19 +161,16 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
         else:
             k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk[None, :] < DK), other=0.0)
             v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        # unscaled scores: the scale goes into the exponent's fused multiply-add
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if (n0 < whole_lo) | (n0 >= whole_hi):
             band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
                 (cols[None, :] <= kpos[:, None])
             s = tl.where(band, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # a row may see nothing in this tile yet: shift by 0 instead of -inf to avoid inf - inf
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = running_max(m, tl.max(s, 1) * qk_scale, l, acc)
+        p = tl.exp2(s * qk_scale - m[:, None])
+        l += tl.sum(p, 1)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         k_ptrs += BLOCK_N * skt
         v_ptrs += BLOCK_N * svt
 
