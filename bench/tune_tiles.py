@@ -31,7 +31,8 @@ def main():
                      (128, 32, 8, 8, 2, 128), (128, 32, 16, 8, 2, 128), (128, 32, 4, 8, 2, 128),
                      (64, 64, 8, 4, 2, None), (64, 64, 8, 4, 2, 128), (64, 64, 8, 4, 1, 128),
                      (64, 64, 16, 4, 2, 128), (64, 32, 8, 4, 2, 128)):
-            C._SELECT_TILES = ((tile, tile),) + base_select[1:]
+            # step_merges 0: a merge every step only where MERGE steps cannot gather
+            C._SELECT_TILES = (((*tile, 0), (*tile, 0)),) + base_select[1:]
             try:
                 ms = f"{bench(lambda: C.select_blocks(q, k_cmp, lse, l, d, lp, n, scale)):.2f} ms"
             except Exception as exc:  # out of shared memory / registers: report and go on

@@ -755,7 +755,14 @@ SHORT_KEYS = 1024
 _SHORT_TILES = {"fwd": (64, 32, 4, 3), "dq": (64, 64, 4, 2)}
 # select_blocks per tier, for a score step of one key load (l = d = l') and of several (see
 # `loads` in select_blocks): (query rows, selection blocks scored per step, steps per top-n
-# merge, num_warps, num_stages, maxnreg).
+# merge, num_warps, num_stages, maxnreg, step_merges: the most steps a sequence may have for a
+# merge every step instead, where a step holds the top-n).
+# step_merges of the tier-0 multi-load tile, H200, bf16, spec geometry, do_bench medians of
+# select_blocks alone (`.gpu`-style sweep; identical indices), merging every 8 steps against
+# every step: 16k (8 steps) 0.608 -> 0.542 ms, 32k 1.95 -> 1.83, 48k 4.02-4.15 -> 4.01-4.07,
+# 64k (32 steps) 6.92-7.04 -> 6.76-6.89, 96k (48 steps) 15.1-15.5 -> 14.8-15.1, but 128k (64
+# steps) 25.7 -> 26.6-27.3; the one-load tile (l = d = l' = 64) lost 2.2-2.7x at 32k-96k (64k
+# 3.17 -> 8.09), so it keeps 0 (every 8 steps wherever 8 can gather).
 # Tier 0: merging every 8 steps (H100, bf16, D=128, G=16, ms at T = 8k / 64k / 128k; steps per
 # merge 1 -> 8): l=d=l'=64 0.20 / 10.37 / 40.17 -> 0.20 / 4.68 / 16.07; l=32, d=16, l'=64 0.32 /
 # 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between or worse). Sequences with fewer
@@ -788,10 +795,10 @@ _SHORT_TILES = {"fwd": (64, 32, 4, 3), "dq": (64, 64, 4, 2)}
 # in another order round otherwise, and near-ties flip). Its one-load step (l = d = l') is
 # untimed; ptxas (as above): no spills at D = 64 and 128 against 364-1040 bytes for the tiles
 # fp32 rows took before.
-_SELECT_TILES = (((64, 64, 8, 4, 2, 128), (128, 32, 8, 8, 2, 128)),
-                 ((128, 32, 8, 8, 1, 128), (128, 16, 8, 8, 1, 128)),
-                 ((32, 16, 1, 8, 1, None), (32, 16, 1, 8, 1, None)),
-                 ((32, 16, 8, 4, 1, None), (32, 16, 8, 4, 1, None)))
+_SELECT_TILES = (((64, 64, 8, 4, 2, 128, 0), (128, 32, 8, 8, 2, 128, 48)),
+                 ((128, 32, 8, 8, 1, 128, 0), (128, 16, 8, 8, 1, 128, 0)),
+                 ((32, 16, 1, 8, 1, None, 0), (32, 16, 1, 8, 1, None, 0)),
+                 ((32, 16, 8, 4, 1, None, 0), (32, 16, 8, 4, 1, None, 0)))
 # Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16).
 # Backward ms at l=32, d=16 / l=d=64 with the other kernel at its old (64, 64, 8, 3): dq
 # (128, 64, 8, 3) 49.5 / 14.9 vs (64, 64, 8, 3) 62.5 / 18.6 and 5 others 51.3-68.6 / 15.2-19.3;
@@ -828,14 +835,17 @@ def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_
     """(TOK, G_PAD, SB, MERGE, launch options): >= 16 dot rows; SB no wider than the nblk
     blocks need (short sequences) and >= 16 (tl.dot); MERGE x SB >= the padded n (each merge's
     top-n). nblk None (a symbolic length): the table's SB and MERGE, which serve every length."""
-    rows, table_sb, merge, num_warps, num_stages, maxnreg = \
+    rows, table_sb, merge, num_warps, num_stages, maxnreg, step_merges = \
         _SELECT_TILES[tier][loads_per_step > 1]
     tok, g_pad = _rows_cfg(G, rows)
     g_pad = max(g_pad, 16 // tok)
     sb = max(table_sb if nblk is None else min(table_sb, pow2(nblk)), 16)
-    # a merge every step where the sequence has fewer steps than one merge would gather
-    merge = merge if nblk is None or cdiv(nblk, sb) >= merge else 1
     n_pad = pow2(num_sel)
+    # a merge every step where the sequence has fewer steps than one merge would gather, or at
+    # most the tile's step_merges steps that each hold the top-n
+    steps = None if nblk is None else cdiv(nblk, sb)
+    if steps is not None and (steps < merge or (steps <= step_merges and sb >= n_pad)):
+        merge = 1
     # Only a top-n wider than one merge's pending scores widens the step: a step of n blocks
     # leaves _score_tile's one wide dot, and took n = 48 / 64 3.4x the time of n = 16 on an
     # H100 at 64k (26.8 / 27.2 against 7.9 ms; 12.5 with 32-block steps merged 8 at a time).

@@ -298,7 +298,7 @@ def test_select_blocks_merges_several_tiles(monkeypatch, merge, l, d, sel):
     merges too (R = l'/d = 2, 4, 8, the wide dot's three forms); with l > l' the tiles recompute
     it. G = 3 pads each token's heads to 4 rows."""
     monkeypatch.setattr(kc, "_SELECT_TILES",
-                        (((32, 16, merge, 4, 1, None),) * 2,) * len(kc._SELECT_TILES))
+                        (((32, 16, merge, 4, 1, None, 0),) * 2,) * len(kc._SELECT_TILES))
     blocks = 16 * merge + 8
     q, k, v = make_inputs(1, blocks * sel - 4, 1, 3, 16, 16, l, d, torch.float32, seed=7)
     lse = ref.compressed_attention(q, k, v, l, d, q.shape[-1] ** -0.5, None)[1]
@@ -335,7 +335,7 @@ def test_small_tiles(monkeypatch, cu_list, nsplit, ordered):
                                        for name, tiles in kc._TILES.items()})
     monkeypatch.setattr(kc, "SHORT_KEYS", -1)  # the table above, whatever the length
     monkeypatch.setattr(kc, "_SELECT_TILES",
-                        (((64, 16, 1, 4, 1, None),) * 2,) * len(kc._SELECT_TILES))
+                        (((64, 16, 1, 4, 1, None, 0),) * 2,) * len(kc._SELECT_TILES))
     T = 200 if cu_list is None else cu_list[-1]
     H, G, Dk, Dv, l, d, sel, n = 1, 2, 32, 16, 16, 8, 8, 5
     cu = None if cu_list is None else torch.tensor(cu_list, dtype=torch.int32, device=_device())
@@ -435,11 +435,25 @@ def test_select_blocks_wide_top_n_keeps_the_tables_step(num_sel):
                         assert sb == table_sb, (tier, loads, G, nblk)
 
 
+def test_select_blocks_merges_every_step_up_to_step_merges():
+    """The spec geometry's tile (tier 0, several key loads a step) merges its top-n every step
+    where a sequence has at most the tile's step_merges steps and a step holds the top-n, every
+    MERGE steps beyond them, for a top-n wider than a step, and at a symbolic length."""
+    _, sb, merge, *_, step_merges = kc._SELECT_TILES[0][1]
+    assert step_merges >= merge
+    for nblk, num_sel, want in ((sb * step_merges, 16, (sb, 1)),
+                                (sb * step_merges + 1, 16, (sb, merge)),
+                                (sb * step_merges, 2 * sb, (sb, merge)),
+                                (None, 16, (sb, merge))):
+        _, _, got_sb, got_merge, _ = kc._select_cfg(16, 0, num_sel, nblk, 4)
+        assert (got_sb, got_merge) == want, (nblk, num_sel)
+
+
 def test_select_blocks_top_n_wider_than_a_step(monkeypatch):
     """n = 20 (padded 32) over steps of 16 blocks merged 2 at a time: each merge ranks exactly
     the padded n pending scores (the GPU's n = 64 on 32-block steps, scaled down)."""
     monkeypatch.setattr(kc, "_SELECT_TILES",
-                        (((64, 16, 2, 4, 1, None),) * 2,) * len(kc._SELECT_TILES))
+                        (((64, 16, 2, 4, 1, None, 0),) * 2,) * len(kc._SELECT_TILES))
     assert kc._select_cfg(2, 0, 20, 38, 2)[2:4] == (16, 2)
     # 600 tokens: 38 blocks of l' = 16 for the last query, 3 steps of 16
     q, k, v = make_inputs(1, 600, 1, 2, 16, 16, 16, 8, torch.float32, seed=9)
