@@ -765,8 +765,9 @@ _SHORT_TILES = {"fwd": (64, 32, 4, 3), "dq": (64, 64, 4, 2)}
 # 3.17 -> 8.09), so it keeps 0 (every 8 steps wherever 8 can gather).
 # Tier 0: merging every 8 steps (H100, bf16, D=128, G=16, ms at T = 8k / 64k / 128k; steps per
 # merge 1 -> 8): l=d=l'=64 0.20 / 10.37 / 40.17 -> 0.20 / 4.68 / 16.07; l=32, d=16, l'=64 0.32 /
-# 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between or worse). Sequences with fewer
-# steps than that merge every step (_select_cfg). maxnreg 128 lets two 8-warp programs share an
+# 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between or worse), before `_join_top`
+# made a merge one bitonic merge (step_merges above). Sequences with fewer steps than that merge
+# every step (_select_cfg). maxnreg 128 lets two 8-warp programs share an
 # SM (one scores while the other waits on its keys); ptxas gave the uncapped tier-0 kernel 177
 # registers, so one per SM. At l=32, d=16 that pays with 32 blocks per step, whose pipelined keys
 # leave shared memory for two programs (99 KB each, 64 blocks: 166 KB): H100 64k 10.36 -> 9.22 ms
