@@ -3,13 +3,16 @@ forward kernels.
 
 Their key tiles leave the scores unscaled: the scale (to log2 units) goes into the tile's max
 here and into the exponent's one fused multiply-add, exp2(s * qk_scale - m), where a scaled copy
-of the scores cost a multiply per score. H200, bf16, spec geometry, three interleaved rounds
-against the kernels before, forward alone: window 64k 2.93 -> 2.87 ms (8k 0.376 -> 0.368),
-Triton compressed 64k 10.06 -> 9.51 (8k 0.257 -> 0.258), selection 64k 13.44 -> 13.43.
-Moving the max lazily, as FlashAttention-4 does (only when some row would outgrow it by more than
-8 in log2 units, so that most tiles skip the rescale of l and acc), measured slower in all three
-(window 64k 3.23, compressed 11.27, selection 13.54): the program-wide test and its branch cost
-more than the multiplies they save.
+of the scores cost a multiply per score. That takes a positive scale, as the ops check
+(`validation.check_scale`): the unscaled max then scales to the scaled scores' max, and a masked
+-inf stays -inf. H200, bf16, spec geometry, three interleaved rounds against the kernels before,
+forward alone: window 64k 2.93 -> 2.87 ms (8k 0.376 -> 0.368), Triton compressed 64k 10.06 ->
+9.51 (8k 0.257 -> 0.258), selection 64k 13.44 -> 13.43.
+
+Moving the max lazily, as FlashAttention-4 does (only when some row would outgrow it by more
+than 8 in log2 units, so that most tiles skip the rescale of l and acc), measured slower in all
+three (window 64k 3.23, compressed 11.27, selection 13.54): the program-wide test and its branch
+cost more than the multiplies they save.
 """
 import triton
 import triton.language as tl
