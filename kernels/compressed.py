@@ -767,13 +767,12 @@ _SHORT_TILES = {"fwd": (64, 32, 4, 3), "dq": (64, 64, 4, 2)}
 # merge 1 -> 8): l=d=l'=64 0.20 / 10.37 / 40.17 -> 0.20 / 4.68 / 16.07; l=32, d=16, l'=64 0.32 /
 # 11.28 / 42.94 -> 0.31 / 10.22 / 37.61 (4, 16 and 32 in between or worse), before `_join_top`
 # made a merge one bitonic merge (step_merges above). Sequences with fewer steps than that merge
-# every step (_select_cfg). maxnreg 128 lets two 8-warp programs share an
-# SM (one scores while the other waits on its keys); ptxas gave the uncapped tier-0 kernel 177
-# registers, so one per SM. At l=32, d=16 that pays with 32 blocks per step, whose pipelined keys
-# leave shared memory for two programs (99 KB each, 64 blocks: 166 KB): H100 64k 10.36 -> 9.22 ms
-# (64 blocks capped: 11.22; l=d=l'=64 4.78 -> 4.21), spilling 16 bytes then
-# (bench/results/README.md); 56 bytes of spill stores at `0ebfd40` and at the kernel before it
-# (Triton 3.6, ptxas for sm_90, 64k).
+# every step (_select_cfg). maxnreg 128 lets two 8-warp programs share an SM (one scores while the
+# other waits on its keys); ptxas gave the uncapped tier-0 kernel 177 registers, so one per SM. At
+# l=32, d=16 that pays with 32 blocks per step, whose pipelined keys leave shared memory for two
+# programs (99 KB each, 64 blocks: 166 KB): H100 64k 10.36 -> 9.22 ms (64 blocks capped: 11.22;
+# l=d=l'=64 4.78 -> 4.21), spilling 16 bytes then (bench/results/README.md); 56 bytes of spill
+# stores at `0ebfd40` and at the kernel before it (Triton 3.6, ptxas for sm_90, 64k).
 # Tier 1 (16-bit Dk of 129-256), H100, bf16, G = 16, one sweep each (`.gpu`-style script on
 # `8825260`), identical indices on every tile: several loads a step (l = 32, d = 16, l' = 64) at
 # Dk = 192 (HQ = 64, H = 4) / D = 256 (HQ = 32, H = 2), 16k: (128, 16, 8, 8, 1, 128) 0.93 / 0.50
