@@ -798,15 +798,15 @@ def _shared_plan_kernel(bidx, rest, listed, OFF, T, N, H: tl.constexpr, SEL: tl.
     base = (OFF // TT + tl.program_id(0).to(tl.int64)) * TT
     c = base // SEL
     rows, real, toks = _group_rows(bidx, b, h, base, OFF, T, N, H, TT, NP)
-    blocks, count = _shared_list(rows, real, c)
-    _rest_rows(rest, rows, real, blocks, count, toks, b, h, T, N, H, c)
+    # the blocks before the group's own as dq's plan lists them, then its own where all took it
+    before, n_before = _shared_list(rows, real, c - 1)
+    own = tl.sum(_shared_by_group(tl.full([1], c, tl.int32), rows, real, c).to(tl.int32), axis=0)
     slots = tl.arange(0, NP)
-    own = tl.max(((blocks == c) & (slots < count)).to(tl.int32), axis=0)
-    before, n_before = _compact(blocks[None, :], ((blocks != c) & (slots < count))[None, :])
-    before = tl.reshape(before, blocks.shape)
-    n_before = tl.sum(n_before, axis=0)
+    blocks = tl.where(slots < n_before, before,
+                      tl.where((slots == n_before) & (own > 0), c.to(tl.int32), -1))
+    _rest_rows(rest, rows, real, blocks, n_before + own, toks, b, h, T, N, H, c)
     tl.store(listed + (bh * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * NP + slots,
-             tl.where(slots < n_before, before, tl.where((slots == n_before) & (own > 0), c, -1)))
+             blocks)
 
 
 @triton.jit
