@@ -100,12 +100,13 @@ def _types_once(interpreter) -> None:
         np_dtypes = {}
 
         def np_dtype_once(tt_dtype):
-            try:
-                found = np_dtypes.get(tt_dtype)
-            except TypeError:  # an unhashable type: no shortcut
+            # by name, which names the element type (block and pointer types do not hash)
+            name = getattr(tt_dtype, "name", None)
+            if not isinstance(name, str):
                 return get_np_dtype(tt_dtype)
+            found = np_dtypes.get(name)
             if found is None:
-                found = np_dtypes[tt_dtype] = get_np_dtype(tt_dtype)
+                found = np_dtypes[name] = get_np_dtype(tt_dtype)
             return found
 
         interpreter._get_np_dtype = np_dtype_once
