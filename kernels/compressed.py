@@ -23,7 +23,7 @@ from torch import Tensor
 
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
-from nsa_ops.kernels.softmax import running_max
+from nsa_ops.kernels.softmax import attend_tile
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, row_bytes, unit_last_stride,
                                    unscaled_do_gate)
@@ -119,16 +119,13 @@ def _fwd_step(q, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, m_i, l_i, acc, qk_scal
     cols = n0 + tl.arange(0, BLOCK_N)
     inb = cols < end
     k = _load_keys(k_ptr, cols, skn, DK, DK_PAD, inb)
+    v = _load_keys(v_ptr, cols, svn, DV, DV_PAD, inb)
     # unscaled scores: the scale (to log2 units) goes into the exponent's fused multiply-add
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if MASKED:
         vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
         s = tl.where(vis, s, float("-inf"))
-    m_i, l_i, acc = running_max(m_i, tl.max(s, 1) * qk_scale, l_i, acc)
-    p = tl.exp2(s * qk_scale - m_i[:, None])
-    v = _load_keys(v_ptr, cols, svn, DV, DV_PAD, inb)
-    acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_i, l_i + tl.sum(p, 1), acc
+    return attend_tile(s, v, m_i, l_i, acc, qk_scale, PREC)
 
 
 @triton.jit

@@ -62,7 +62,7 @@ from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
 from nsa_ops.kernels.index import selection_index
-from nsa_ops.kernels.softmax import running_max
+from nsa_ops.kernels.softmax import attend_tile
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, tma_descriptors, tma_kv_reason, traced,
                                    unit_last_stride, unscaled_do_gate, use_tma)
@@ -359,14 +359,9 @@ def _edge_tile(row, N, start, last, done, SEL: tl.constexpr, BN: tl.constexpr,
 
 @triton.jit
 def _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC: tl.constexpr):
-    """One key tile of the online softmax: the updated (running max, sum, output); the scale goes
-    into the tile's max and the exponent's fused multiply-add (`softmax.running_max`)."""
+    """One key tile of the online softmax (`softmax.attend_tile`), its keys masked by kmask."""
     s = tl.where(kmask[None, :], tl.dot(qt, tl.trans(kt), input_precision=PREC), float("-inf"))
-    m, l, acc = running_max(m, tl.max(s, axis=1) * qk_scale, l, acc)
-    p = tl.exp2(s * qk_scale - m[:, None])
-    l += tl.sum(p, axis=1)
-    acc += tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
-    return m, l, acc
+    return attend_tile(s, vt, m, l, acc, qk_scale, PREC)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    pow2, row_bytes, tma_descriptors, tma_kv_reason, tma_layout,
                                    unit_last_stride, unscaled_do_gate, use_tma)
-from nsa_ops.kernels.softmax import running_max
+from nsa_ops.kernels.softmax import attend_tile
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
@@ -167,10 +167,7 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
             band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
                 (cols[None, :] <= kpos[:, None])
             s = tl.where(band, s, float("-inf"))
-        m, l, acc = running_max(m, tl.max(s, 1) * qk_scale, l, acc)
-        p = tl.exp2(s * qk_scale - m[:, None])
-        l += tl.sum(p, 1)
-        acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m, l, acc = attend_tile(s, v, m, l, acc, qk_scale, PRECISION)
         k_ptrs += BLOCK_N * skt
         v_ptrs += BLOCK_N * svt
 
