@@ -88,6 +88,16 @@ def _load_keys(ptr, rows, sn, D: tl.constexpr, D_PAD: tl.constexpr, valid):
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, skn, svn, n0, end, DK: tl.constexpr, DV: tl.constexpr,
+             DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The BLOCK_N compressed rows from n0 (one KV head): (their indices, K, V), zero from end."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    inb = cols < end
+    return (cols, _load_keys(k_ptr, cols, skn, DK, DK_PAD, inb),
+            _load_keys(v_ptr, cols, svn, DV, DV_PAD, inb))
+
+
+@triton.jit
 def _row_stats(ptr, tok, hq, HQ, valid):
     """Per-row fp32 value of a [T, HQ] contiguous tensor (lse, delta)."""
     return tl.load(ptr + tok * HQ + hq, mask=valid, other=0.0)
@@ -116,10 +126,7 @@ def _tile_span(lo, hi, valid, BLOCK: tl.constexpr):
 def _fwd_step(q, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, m_i, l_i, acc, qk_scale,
               DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
-    cols = n0 + tl.arange(0, BLOCK_N)
-    inb = cols < end
-    k = _load_keys(k_ptr, cols, skn, DK, DK_PAD, inb)
-    v = _load_keys(v_ptr, cols, svn, DV, DV_PAD, inb)
+    cols, k, v = _kv_tile(k_ptr, v_ptr, skn, svn, n0, end, DK, DV, DK_PAD, DV_PAD, BLOCK_N)
     # unscaled scores: the scale (to log2 units) goes into the exponent's fused multiply-add
     s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if MASKED:
@@ -175,10 +182,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SEQ, POS, CMP_CU,
 def _dq_step(q, do, lse2, delta, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, dq, qk_scale,
              DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
-    cols = n0 + tl.arange(0, BLOCK_N)
-    inb = cols < end
-    k = _load_keys(k_ptr, cols, skn, DK, DK_PAD, inb)
-    v = _load_keys(v_ptr, cols, svn, DV, DV_PAD, inb)
+    cols, k, v = _kv_tile(k_ptr, v_ptr, skn, svn, n0, end, DK, DV, DK_PAD, DV_PAD, BLOCK_N)
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
     if MASKED:
         vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
