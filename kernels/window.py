@@ -122,6 +122,22 @@ def _row_span(ROWSPAN, n0, T, G, W, OFF, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
+def _kv_tile(KD, VD, k_ptrs, v_ptrs, b, n0, kvh, cols, TK, dk, dv, DK: tl.constexpr,
+             DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+             BLOCK_DV: tl.constexpr, TMA: tl.constexpr):
+    """The K and V tiles of keys cols = n0 .. n0 + BLOCK_N of head kvh: through the TMA
+    descriptors KD, VD, or the pointer tiles k_ptrs, v_ptrs (zero past TK)."""
+    if TMA:
+        at = [b, n0, kvh, 0]  # int32: program ids and key positions
+        k = tl.reshape(KD.load(at), (BLOCK_N, BLOCK_DK))
+        v = tl.reshape(VD.load(at), (BLOCK_N, BLOCK_DV))
+    else:
+        k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk[None, :] < DK), other=0.0)
+        v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv[None, :] < DV), other=0.0)
+    return k, v
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
                 T, TK, H, G, W, qk_scale,
@@ -154,13 +170,8 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
     v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        if TMA:
-            at = [b, n0, kvh, 0]  # int32: program ids and key positions
-            k = tl.reshape(KD.load(at), (BLOCK_N, BLOCK_DK))
-            v = tl.reshape(VD.load(at), (BLOCK_N, BLOCK_DV))
-        else:
-            k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk[None, :] < DK), other=0.0)
-            v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv[None, :] < DV), other=0.0)
+        k, v = _kv_tile(KD, VD, k_ptrs, v_ptrs, b, n0, kvh, cols, TK, dk, dv, DK, DV, BLOCK_N,
+                        BLOCK_DK, BLOCK_DV, TMA)
         # unscaled scores: the scale goes into the exponent's fused multiply-add
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if (n0 < whole_lo) | (n0 >= whole_hi):
@@ -337,13 +348,8 @@ def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, GATE, START, KEYPOS
     v_ptrs = V + _offsets(b, n, kvh, svb, svt, svh, dv_r)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        if TMA:
-            at = [b, n0, kvh, 0]  # int32: program ids and key positions
-            k = tl.reshape(KD.load(at), (BLOCK_N, BLOCK_DK))
-            v = tl.reshape(VD.load(at), (BLOCK_N, BLOCK_DV))
-        else:
-            k = tl.load(k_ptrs, mask=(cols[:, None] < TK) & (dk_r[None, :] < DK), other=0.0)
-            v = tl.load(v_ptrs, mask=(cols[:, None] < TK) & (dv_r[None, :] < DV), other=0.0)
+        k, v = _kv_tile(KD, VD, k_ptrs, v_ptrs, b, n0, kvh, cols, TK, dk_r, dv_r, DK, DV,
+                        BLOCK_N, BLOCK_DK, BLOCK_DV, TMA)
         p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
         if (n0 < whole_lo) | (n0 >= whole_hi):
             band = ok[:, None] & (cols[None, :] >= first[:, None]) & \
