@@ -32,6 +32,13 @@ then with each serving route forced by NSA_OPS_FORCE_IMPL_<OP>. select_blocks is
 selection property (structure, forced blocks, no unselected block outscores a selected one by
 more than a rounding tolerance), since near-tied scores may order differently.
 
+Per draw, the layer too: nsa_attention (on the GPU the eager layer's fused routes: the gated
+combine in the selection walk, the shared pass, stored dS, the early index) on the draw's layouts,
+gate dtype and grads, window branch and varlen, every third fixed-length draw with its queries
+at an offset (the last third of the rows, keys whole), block_idx its own selection (handed to
+the reference) or the draw's; forward and every gradient against the float64 reference (offset
+queries: those rows of the full-length call).
+
 Every failure of a case is collected and reported together: which route, which output, the
 largest error or the exception.
 """
@@ -45,7 +52,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-import nsa_ops  # noqa: F401  (registers torch.ops.nsa)
+import nsa_ops
 from nsa_ops import reference as ref
 from nsa_ops import routing, validation
 from helpers import (INDEX_LAYOUTS, LAYOUTS, ROW_LAYOUTS, TOL, cu_seqlens, in_layout,
@@ -734,6 +741,80 @@ def _gate(draw: Draw, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
+# The layer
+# --------------------------------------------------------------------------------------------
+
+def _query_rows(draw: Draw) -> slice:
+    """The queries the layer gets: all, or (every third fixed-length draw) the last ones, keys
+    and values kept whole: queries at an offset, which the reference reads as those rows of the
+    full-length call."""
+    if draw.lengths is not None or draw.index % 3 != 2:
+        return slice(0, draw.T)
+    return slice(draw.T - max(1, draw.T // 3), draw.T)
+
+
+def _layer(draw: Draw):
+    """nsa_attention (the eager layer's fused routes on the GPU) on the draw's layouts, gate
+    dtype and grads, window branch, varlen or offset queries, and block_idx: its own selection
+    (even draws), which the reference is handed, or the draw's (odd), against the float64
+    reference, forward and every gradient."""
+    data = _Data(draw, 6)
+    f = Failures(draw)
+    gpu = draw.device == "cuda"
+    B, T, HQ = draw.B, draw.T, draw.HQ
+    rows = _query_rows(draw)
+    q_full = data.randn(B, T, HQ, draw.Dk)
+    k = in_layout(data.randn(B, T, draw.H, draw.Dk), draw.k).requires_grad_()
+    v = in_layout(data.randn(B, T, draw.H, draw.Dv), draw.v).requires_grad_()
+    q = in_layout(q_full[:, rows], draw.q).requires_grad_()
+    gates = [rows_in_layout(data.rand(B, T, HQ, dtype=draw.gate_dtype), lay, i)
+             for i, lay in enumerate(draw.g_layouts)]
+    window = draw.w if draw.window_branch else 0
+    given = None if draw.index % 2 == 0 else _block_idx(draw, data, q_full, k)
+    out_dtype = torch.promote_types(draw.dtype, draw.gate_dtype)
+    do_full = torch.zeros(B, T, HQ, draw.Dv, dtype=out_dtype, device=draw.device)
+    do_full[:, rows] = data.randn(B, rows.stop - rows.start, HQ, draw.Dv, dtype=out_dtype)
+    do = in_layout(do_full[:, rows], draw.do)
+
+    ours_g = [g[:, rows].detach().requires_grad_(draw.gate_grads) for g in gates]
+    used = []
+    with poisoned_empty():
+        o = f.run("nsa_attention forward", lambda: nsa_ops.nsa_attention(
+            q, k, v, *ours_g[:2], ours_g[2] if window else None, block_len=draw.l,
+            block_stride=draw.d, sel_block=draw.lp, num_sel=draw.n, window=window,
+            scale=draw.scale, cu_seqlens=draw.cu(),
+            block_idx=None if given is None else given[:, rows], on_block_idx=used.append))
+    if o is None:
+        f.check()
+    leaves = [q, k, v, *(ours_g[:3 if window else 2] if draw.gate_grads else ())]
+    with poisoned_empty():
+        grads = f.run("nsa_attention backward", lambda: torch.autograd.grad(o, leaves, do))
+
+    if given is None:  # the rows before the queries select nothing: their dO is zero
+        idx = torch.full((B, T, draw.H, draw.n), -1, dtype=torch.int64, device=draw.device)
+        idx[:, rows] = used[0].to(idx.dtype)
+    else:
+        idx = given
+    ref_leaves = [_f64(x).requires_grad_() for x in (q_full, k, v, *gates)]
+    want = ref.nsa(*ref_leaves, block_len=draw.l, block_stride=draw.d, sel_block=draw.lp,
+                   num_sel=draw.n, window=window, scale=draw.scale,
+                   cu_seqlens=None if draw.lengths is None else draw.cu(), block_idx=idx)
+    want_grads = torch.autograd.grad(want, ref_leaves, _f64(do_full), allow_unused=True)
+    want_grads = [want_grads[0][:, rows], *want_grads[1:3],
+                  *(None if g is None else g[:, rows] for g in want_grads[3:])]
+    _compare_outputs(f, "nsa_attention forward", (o,), (want[:, rows],), ("o",), draw.dtype,
+                     gpu, False, (out_dtype,))
+    if grads is not None:
+        names = ("dq", "dk", "dv", "d_g_cmp", "d_g_slc", "d_g_win")
+        for name, got, exp, x in zip(names, grads, want_grads, leaves):
+            if name == "d_g_win" and not window:  # no window branch: its gate is unread
+                continue
+            _compare_outputs(f, "nsa_attention backward", (got,), (exp,), (name,), draw.dtype,
+                             gpu, False, (x.dtype,), grad=True)
+    f.check()
+
+
+# --------------------------------------------------------------------------------------------
 # Tests
 # --------------------------------------------------------------------------------------------
 
@@ -747,6 +828,10 @@ def test_draws_cover_the_space():
         assert {x.q for x in draws} == set(LAYOUTS)
         assert any(x.lengths for x in draws)
         assert any(x.dtype == F16 for x in draws)
+    for draws in (CPU_CASES, GPU_CASES):  # the layer's own axes
+        assert any(_query_rows(x).start > 0 for x in draws)
+        assert {x.index % 2 for x in draws if x.window_branch} == {0, 1}
+        assert {x.gate_grads for x in draws} == {True, False}
 
 
 @pytest.mark.parametrize("draw", _params(CPU_CASES))
@@ -797,3 +882,13 @@ def test_sliding_window_attention_gpu(draw, monkeypatch):
 @pytest.mark.parametrize("draw", _params(GPU_CASES, gpu=True))
 def test_gate_combine_gpu(draw, monkeypatch):
     _gate(draw, monkeypatch)
+
+
+@pytest.mark.parametrize("draw", _params(CPU_CASES))
+def test_nsa_attention(draw):
+    _layer(draw)
+
+
+@pytest.mark.parametrize("draw", _params(GPU_CASES, gpu=True))
+def test_nsa_attention_gpu(draw):
+    _layer(draw)
