@@ -763,6 +763,7 @@ def _layer(draw: Draw):
     gpu = draw.device == "cuda"
     B, T, HQ = draw.B, draw.T, draw.HQ
     rows = _query_rows(draw)
+    cu = draw.cu()
     q_full = data.randn(B, T, HQ, draw.Dk)
     k = in_layout(data.randn(B, T, draw.H, draw.Dk), draw.k).requires_grad_()
     v = in_layout(data.randn(B, T, draw.H, draw.Dv), draw.v).requires_grad_()
@@ -782,7 +783,7 @@ def _layer(draw: Draw):
         o = f.run("nsa_attention forward", lambda: nsa_ops.nsa_attention(
             q, k, v, *ours_g[:2], ours_g[2] if window else None, block_len=draw.l,
             block_stride=draw.d, sel_block=draw.lp, num_sel=draw.n, window=window,
-            scale=draw.scale, cu_seqlens=draw.cu(),
+            scale=draw.scale, cu_seqlens=cu,
             block_idx=None if given is None else given[:, rows], on_block_idx=used.append))
     if o is None:
         f.check()
@@ -798,7 +799,7 @@ def _layer(draw: Draw):
     ref_leaves = [_f64(x).requires_grad_() for x in (q_full, k, v, *gates)]
     want = ref.nsa(*ref_leaves, block_len=draw.l, block_stride=draw.d, sel_block=draw.lp,
                    num_sel=draw.n, window=window, scale=draw.scale,
-                   cu_seqlens=None if draw.lengths is None else draw.cu(), block_idx=idx)
+                   cu_seqlens=cu, block_idx=idx)
     want_grads = torch.autograd.grad(want, ref_leaves, _f64(do_full), allow_unused=True)
     want_grads = [want_grads[0][:, rows], *want_grads[1:3],
                   *(None if g is None else g[:, rows] for g in want_grads[3:])]
