@@ -121,6 +121,15 @@ def _dense_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
         k.shape[2], 0.0, causal, scale=scale)
 
 
+def _single_key_dv(do: Tensor, kv_heads: int, acc: torch.dtype) -> Tensor:
+    """dv [1, H, Dv] of an attention of one query over one key per residue, do [nres, HQ, 1, Dv]:
+    the softmax over one key is 1 whatever the score, so o = v, dq = dk = 0 and dv sums dO over
+    the residues and the query heads of each KV head. cuDNN's backward refuses these calls
+    ("s_q = s_kv = 1 is not supported"): the part that holds only the first d queries when
+    T - l + 1 < 2d, or the last ones when none fills a group (T - l + 1 < d)."""
+    return do.to(acc).unflatten(1, (kv_heads, -1)).sum((0, 2)).permute(1, 0, 2)
+
+
 def _fixed_length(cu_seqlens: Optional[Tensor]) -> None:
     """What the routing table's cudnn row checks; a direct call gets a ValueError."""
     if cu_seqlens is not None:
@@ -176,6 +185,10 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     d = block_stride
     for b in range(B):
         for part in _parts(T, block_len, d):
+            if part.queries == 1 and part.rows == 1:
+                _residues(dq[b], d, part).zero_()
+                dv[b, :1] += _single_key_dv(_residues(do[b], d, part), v_cmp.shape[2], acc)
+                continue
             dq_p, dk_p, dv_p = _dense_bwd(
                 _residues(do[b], d, part), _residues(q[b], d, part), _rows(k_cmp[b], part),
                 _rows(v_cmp[b], part), _residues(o[b], d, part),
