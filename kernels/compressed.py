@@ -800,6 +800,13 @@ _SELECT_TILES = (((64, 64, 8, 4, 2, 128, 0), (128, 32, 8, 8, 2, 128, 48)),
                  ((128, 32, 8, 8, 1, 128, 0), (128, 16, 8, 8, 1, 128, 0)),
                  ((32, 16, 1, 8, 1, None, 0), (32, 16, 1, 8, 1, None, 0)),
                  ((32, 16, 8, 4, 1, None, 0), (32, 16, 8, 4, 1, None, 0)))
+# The most key loads a step (`loads` in select_blocks) pipelined over the tile's stages; a step of
+# more loads takes one stage. Triton double-buffers every unrolled load of a step: sm_90 compiles
+# of the tier-0 multi-load tile at 2 stages (tests/sm90_compile.py, bf16, D = 128) asked 99 KB of
+# shared memory at 4 loads (l' = 4d, the spec), 148 KB at 7, 164-168 KB at 8 and 233 KB at 12
+# (l' = 12d: over sm_90's 227 KB, so the launch raised OutOfResources; D = 96, G = 4, fp16 found
+# it on an H200); at one stage 12 loads took 41 KB.
+PIPELINED_LOADS = 8
 # Tier 0 picks measured with bench/tune_tiles.py on an H100 (T=64k, HQ=64, H=4, D=128, bf16).
 # Backward ms at l=32, d=16 / l=d=64 with the other kernel at its old (64, 64, 8, 3): dq
 # (128, 64, 8, 3) 49.5 / 14.9 vs (64, 64, 8, 3) 62.5 / 18.6 and 5 others 51.3-68.6 / 15.2-19.3;
@@ -838,6 +845,8 @@ def _select_cfg(G: int, tier: int, num_sel: int, nblk: Optional[int], loads_per_
     top-n). nblk None (a symbolic length): the table's SB and MERGE, which serve every length."""
     rows, table_sb, merge, num_warps, num_stages, maxnreg, step_merges = \
         _SELECT_TILES[tier][loads_per_step > 1]
+    if loads_per_step > PIPELINED_LOADS:
+        num_stages = 1
     tok, g_pad = _rows_cfg(G, rows)
     g_pad = max(g_pad, 16 // tok)
     sb = max(table_sb if nblk is None else min(table_sb, pow2(nblk)), 16)

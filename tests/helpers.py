@@ -170,6 +170,10 @@ def index_in_layout(block_idx: torch.Tensor, layout: str, num_blocks: int,
     raise ValueError(f"unknown index layout {layout!r}")
 
 
+# sm_90's largest shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin, H100 / H200)
+SM90_SHARED_BYTES = 232448
+
+
 def compile_for_sm90(*args: object, ptxas_log: bool = False,
                      sass: bool = False) -> subprocess.CompletedProcess:
     """tests/sm90_compile.py with args, in a subprocess without TRITON_INTERPRET (ptxas needs

@@ -7,6 +7,8 @@ too when present. Reference values are computed in float64 from the same (possib
 inputs. The @pytest.mark.gpu cases use realistic shapes in fp16/bf16 and
 compare relative errors against a float32 reference.
 """
+import re
+
 import pytest
 import torch
 import triton.language as tl
@@ -14,7 +16,7 @@ import triton.language as tl
 from nsa_ops import reference as ref
 from nsa_ops.kernels import compressed as kc
 from nsa_ops.kernels.utils import pow2
-from helpers import compile_for_sm90, poisoned_empty, rel_err
+from helpers import SM90_SHARED_BYTES, compile_for_sm90, poisoned_empty, rel_err
 
 # per dtype: |kernel - reference| <= ATOL * (1 + |reference|)
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2}
@@ -469,3 +471,17 @@ def test_select_blocks_compiles_for_sm90_at_wide_steps():
     run = compile_for_sm90("select", 16, 8, 64, 16, 4096, 16, 1, 128)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "compiled _select_kernel" in run.stdout and "'maxnreg': 128" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("l,d,sel,n,T,HQ,H,D", [(32, 16, 192, 19, 192, 8, 2, 96),
+                                                (32, 8, 96, 16, 4096, 16, 4, 128)],
+                         ids=["l'=12d-D96-G4", "l'=12d-d8-D128"])
+def test_select_blocks_fits_sm90_shared_memory_at_many_loads_a_step(l, d, sel, n, T, HQ, H, D):
+    """l' = 12d: twelve key loads a step, which Triton double-buffers at two stages: 233472
+    bytes of shared memory, over sm_90's 232448, so the launch raised OutOfResources (the GPU
+    sweep's seed-90210 draw 5, fp16 D = 96 G = 4, on an H200). Past `PIPELINED_LOADS` a step takes
+    one stage."""
+    run = compile_for_sm90("select", l, d, sel, n, T, HQ, H, D)
+    assert run.returncode == 0, run.stderr[-3000:]
+    smem = [int(x) for x in re.findall(r"compiled _select_kernel .* smem (\d+)", run.stdout)]
+    assert smem and max(smem) <= SM90_SHARED_BYTES, run.stdout

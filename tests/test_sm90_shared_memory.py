@@ -11,10 +11,7 @@ import re
 
 import pytest
 
-from helpers import compile_for_sm90
-
-# sm_90's largest shared memory per block (cudaDevAttrMaxSharedMemoryPerBlockOptin, H100 / H200)
-SM90_SHARED_BYTES = 232448
+from helpers import SM90_SHARED_BYTES, compile_for_sm90
 
 
 # the window, compressed and selection kernels, forward and backward, select_blocks, decode, the
