@@ -511,6 +511,22 @@ def _shared_group(G: int, bn: int) -> int:
     return min(bn, max(1, SHARED_ROWS // pow2(G)))
 
 
+# Values a thread of the plan kernels (`_shared_plan_kernel`, `_dq_plan_kernel`) holds at most in
+# their [TT, NP, NP] slot comparisons (`_distinct`, `_compact`, `_listed_slots`): at one warp
+# and G = 1, n = 19 (TT = 32 / 64, NP = 32: 1024 / 2048 values a thread) ptxas took 56 s over the
+# forward's plan (44 KB of spill stores) and over 5 minutes over dq's (sm_90 compiles on the CPU
+# machine, Triton 3.9): the layer's first backward waited on it (the GPU sweep's draw 13 at
+# SEED = 90210, G = 1 n = 19, ran past 4 minutes on an H200). Spread over `_plan_warps` (8 / 16
+# there) they compiled in 4 and 8 s, and at n = 40 (NP = 64) and 32 warps in 5 and 10 s. The
+# spec's groups (TT = 4, NP = 16) keep the one warp they were timed at (`SHARED_CONFIGS`).
+_PLAN_VALUES_PER_THREAD = 128
+
+
+def _plan_warps(group: int, np_: int) -> int:
+    """num_warps of the plan kernels for groups of `group` queries and NP = np_ slots."""
+    return min(32, pow2(cdiv(group * np_ * np_, 32 * _PLAN_VALUES_PER_THREAD)))
+
+
 def _shared_reason(varlen: bool, G: int, bn: int, tma: bool = True) -> Optional[str]:
     """Why a kernel runs without its shared pass (None: it can run it). tma: whether the forward's
     per-token walk reads K/V through TMA descriptors (its pointer walk has no edge step)."""
@@ -1468,7 +1484,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
         listed = torch.empty(B * H, groups, constants["NP"], dtype=torch.int32, device=q.device)
         launch(_shared_plan_kernel)[(groups, B * H)](
             bidx, rest, listed, off, T, n, H=H, SEL=sel_block, TT=group, NP=constants["NP"],
-            num_warps=1)
+            num_warps=_plan_warps(group, constants["NP"]))
         launch(_shared_fwd_kernel)[(groups, B * H)](
             q, k, v, *kv, o, lse, listed, off, *strides, T, qk_scale, TT=group,
             **shared_constants, **launch_options(*_SHARED_PICK["wide" if _wide(dkp, dvp)
@@ -1707,7 +1723,8 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
             else plan_len
         launch(_dq_plan_kernel)[(num_groups, B * H)](
             bidx, rows, plan, plan_blocks, plan_len, passed_slots, off, T, n, H=H, SEL=sel_block,
-            TT=group, NP=pow2(n), MIN_SHARED=SHARED_DQ_MIN, STORED_DS=stored, num_warps=1)
+            TT=group, NP=pow2(n), MIN_SHARED=SHARED_DQ_MIN, STORED_DS=stored,
+            num_warps=_plan_warps(group, pow2(n)))
         num_warps, num_stages = _SHARED_DQ_PICK
         launch(_shared_dq_kernel)[(min(plan.numel(), _persistent_programs(q.device)),)](
             q, k, v, o, do, lse, dlse if dlse is not None else lse, delta, gate_arg, dq, plan,

@@ -4,6 +4,10 @@ Run as a script without TRITON_INTERPRET (the tests start it in a subprocess):
 
     python tests/sm90_compile.py select L D SEL N T HQ H DK
         nsa_ops.kernels.compressed.select_blocks at that geometry (bf16)
+    python tests/sm90_compile.py plans HQ H N
+        the selection's shared-pass plan kernels (forward and dq, as eager sm90 launches with
+        stored dS) at HQ / H query heads per KV head and n = N (bf16, D = 128, T = 2048, l' = 64);
+        the branch's other kernels are not compiled
     python tests/sm90_compile.py routed DTYPE DK DV HQ H
         every Triton kernel the routed ops launch at those head dims on a GPU (pointer loads,
         the GPU tile tables; T = 2048, l=32, d=16, l'=64, n=16, w=512), decode over a cache of
@@ -94,6 +98,28 @@ def select(l, d, sel, n, T, HQ, H, D):
     compressed.select_blocks(q, k_cmp, torch.randn(1, T, HQ), l, d, sel, n, D ** -0.5)
 
 
+class _PlansOnly(CompileForSm90):
+    def compile(self, *args, **kwargs):
+        if self.kernel.__name__ in ("_shared_plan_kernel", "_dq_plan_kernel"):
+            super().compile(*args, **kwargs)
+
+
+def plans(HQ, H, n):
+    from nsa_ops import reference
+    from nsa_ops.kernels import delta, index, selection, utils
+    for module in (selection, delta, index):
+        module.launch = _PlansOnly
+    utils.tma_engine = lambda x: True
+    T, sel, D = 2048, 64, 128
+    q, k, v, do, o = (torch.randn(1, T, heads, D, dtype=torch.bfloat16)
+                      for heads in (HQ, H, H, HQ, HQ))
+    lse = torch.randn(1, T, HQ)
+    block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
+    selection.selection_attention_fwd(q, k, v, block_idx, sel, D ** -0.5)
+    selection.selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel, D ** -0.5,
+                                      stored_ds=True)
+
+
 def routed(dtype, dk, dv, HQ, H):
     from nsa_ops import reference
     from nsa_ops.kernels import compressed, decode, delta, index, pooling, selection, utils, window
@@ -141,5 +167,7 @@ if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "select":
         select(*map(int, rest))
+    elif mode == "plans":
+        plans(*map(int, rest))
     else:
         routed(rest[0], *map(int, rest[1:]))

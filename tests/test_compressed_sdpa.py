@@ -125,7 +125,7 @@ ONE_ROW_REL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 def test_cudnn_backward_of_one_query_over_one_row(B, T, HQ, H, l, d, D, Dv, dtype):
     """Parts of one query over one compressed row (T - l + 1 < 2d: the one group; < d: the rest
     alone), whose cuDNN backward raised "s_q = s_kv = 1 is not supported" (the GPU sweep's
-    seed-90211 draws 14 and 17, cuDNN forced): their gradients in closed form (o = v), dq and
+    draws 14 and 17 at SEED = 90210, cuDNN forced): their gradients in closed form (o = v), dq and
     dk exactly 0 there."""
     q, k, v = qkv(B, T, HQ, H, D, Dv, dtype, seed=2, device="cuda")
     k_cmp, v_cmp = R.compress_mean(k, l, d), R.compress_mean(v, l, d)

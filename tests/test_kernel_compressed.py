@@ -479,8 +479,8 @@ def test_select_blocks_compiles_for_sm90_at_wide_steps():
 def test_select_blocks_fits_sm90_shared_memory_at_many_loads_a_step(l, d, sel, n, T, HQ, H, D):
     """l' = 12d: twelve key loads a step, which Triton double-buffers at two stages: 233472
     bytes of shared memory, over sm_90's 232448, so the launch raised OutOfResources (the GPU
-    sweep's seed-90210 draw 5, fp16 D = 96 G = 4, on an H200). Past `PIPELINED_LOADS` a step takes
-    one stage."""
+    sweep's draw 5 at SEED = 90210, fp16 D = 96 G = 4, on an H200). Past `PIPELINED_LOADS` a
+    step takes one stage."""
     run = compile_for_sm90("select", l, d, sel, n, T, HQ, H, D)
     assert run.returncode == 0, run.stderr[-3000:]
     smem = [int(x) for x in re.findall(r"compiled _select_kernel .* smem (\d+)", run.stdout)]

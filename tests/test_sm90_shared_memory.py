@@ -68,3 +68,20 @@ def test_routed_kernels_spill_little_and_access_wide_at_spec_geometry():
     narrow = re.findall(r"^sass (\w+) narrow (\d+)", run.stdout, flags=re.M)
     assert [name for name, _ in narrow] == compiled, run.stdout[-3000:]
     assert [(name, int(n)) for name, n in narrow if name not in DECODE and int(n)] == []
+
+
+# ptxas' spill stores a thread, at most, of the shared passes' plan kernels at one query head per
+# KV head and n = 19 (groups of 32 / 64 queries, 32 slots): 6064 / 6964 bytes at their
+# `_plan_warps` (8 / 16), where one warp spilled 44744 in the forward's and ptxas took 56 s and
+# over 5 minutes over the two, the layer's first call waiting on it (kernels/selection.py)
+PLAN_SPILL_BYTES = 8192
+
+
+def test_plan_kernels_spread_wide_groups_over_warps():
+    run = compile_for_sm90("plans", 8, 8, 19, ptxas_log=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    spills = dict(re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores",
+                             run.stdout, flags=re.S))
+    assert set(spills) == {"_shared_plan_kernel", "_dq_plan_kernel"}, run.stdout[-3000:]
+    over = {name: int(b) for name, b in spills.items() if int(b) > PLAN_SPILL_BYTES}
+    assert not over, over
