@@ -82,6 +82,17 @@ def test_plans_built_per_thread_direction_and_layout(monkeypatch):
     assert seen == [False]
 
 
+def _cudnn_forward(B, T, HQ, H, l, d, D, Dv, dtype, seed, device="cuda"):
+    """The decomposition's forward on random inputs, and the float32 reference's: (q, k_cmp,
+    v_cmp, scale, o, lse, the inputs in float32, o_ref, lse_ref)."""
+    q, k, v = qkv(B, T, HQ, H, D, Dv, dtype, seed=seed, device=device)
+    k_cmp, v_cmp = R.compress_mean(k, l, d), R.compress_mean(v, l, d)
+    scale = D ** -0.5
+    o, lse = cs.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
+    f32 = [x.float() for x in (q, k_cmp, v_cmp)]
+    return (q, k_cmp, v_cmp, scale, o, lse, f32, *R.compressed_attention(*f32, l, d, scale))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,T,HQ,H,l,d,D,Dv", [
@@ -89,12 +100,8 @@ def test_plans_built_per_thread_direction_and_layout(monkeypatch):
     (1, 1024, 8, 8, 16, 8, 128, 128), (2, 1000, 16, 2, 32, 16, 128, 128),
     (1, 4096, 32, 2, 32, 16, 192, 128)])
 def test_cudnn_matches_reference(B, T, HQ, H, l, d, D, Dv, dtype):
-    q, k, v = qkv(B, T, HQ, H, D, Dv, dtype, seed=1, device="cuda")
-    k_cmp, v_cmp = R.compress_mean(k, l, d), R.compress_mean(v, l, d)
-    scale = D ** -0.5
-    o, lse = cs.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
-    f32 = [x.float() for x in (q, k_cmp, v_cmp)]
-    o_ref, lse_ref = R.compressed_attention(*f32, l, d, scale)
+    q, k_cmp, v_cmp, scale, o, lse, f32, o_ref, lse_ref = _cudnn_forward(
+        B, T, HQ, H, l, d, D, Dv, dtype, seed=1)
     assert rel_err(o, o_ref) < 1e-2
     seen = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), seen)
@@ -127,12 +134,8 @@ def test_cudnn_backward_of_one_query_over_one_row(B, T, HQ, H, l, d, D, Dv, dtyp
     alone), whose cuDNN backward raised "s_q = s_kv = 1 is not supported" (the GPU sweep's
     draws 14 and 17 at SEED = 90210, cuDNN forced): their gradients in closed form (o = v), dq and
     dk exactly 0 there."""
-    q, k, v = qkv(B, T, HQ, H, D, Dv, dtype, seed=2, device="cuda")
-    k_cmp, v_cmp = R.compress_mean(k, l, d), R.compress_mean(v, l, d)
-    scale = D ** -0.5
-    o, lse = cs.compressed_attention_fwd(q, k_cmp, v_cmp, l, d, scale)
-    f32 = [x.float() for x in (q, k_cmp, v_cmp)]
-    o_ref, lse_ref = R.compressed_attention(*f32, l, d, scale)
+    q, k_cmp, v_cmp, scale, o, lse, f32, o_ref, lse_ref = _cudnn_forward(
+        B, T, HQ, H, l, d, D, Dv, dtype, seed=2)
     tol = ONE_ROW_REL[dtype]
     assert rel_err(o, o_ref) < tol
     do = torch.randn_like(o)
