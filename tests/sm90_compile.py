@@ -104,24 +104,30 @@ class _PlansOnly(CompileForSm90):
             super().compile(*args, **kwargs)
 
 
-def plans(HQ, H, n):
+def _inputs(dt, dk, dv, HQ, H, T, sel, n):
+    """Random q, k, v, o, lse, do of one sequence of T tokens and a block_idx of n blocks of sel
+    keys a query."""
     from nsa_ops import reference
+    q, do = (torch.randn(1, T, HQ, dim, dtype=dt) for dim in (dk, dv))
+    k, v = (torch.randn(1, T, H, dim, dtype=dt) for dim in (dk, dv))
+    o, lse = torch.randn(1, T, HQ, dv, dtype=dt), torch.randn(1, T, HQ)
+    block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
+    return q, k, v, o, lse, do, block_idx
+
+
+def plans(HQ, H, n):
     from nsa_ops.kernels import delta, index, selection, utils
     for module in (selection, delta, index):
         module.launch = _PlansOnly
     utils.tma_engine = lambda x: True
-    T, sel, D = 2048, 64, 128
-    q, k, v, do, o = (torch.randn(1, T, heads, D, dtype=torch.bfloat16)
-                      for heads in (HQ, H, H, HQ, HQ))
-    lse = torch.randn(1, T, HQ)
-    block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
+    sel, D = 64, 128
+    q, k, v, o, lse, do, block_idx = _inputs(torch.bfloat16, D, D, HQ, H, 2048, sel, n)
     selection.selection_attention_fwd(q, k, v, block_idx, sel, D ** -0.5)
     selection.selection_attention_bwd(q, k, v, o, lse, do, None, block_idx, sel, D ** -0.5,
                                       stored_ds=True)
 
 
 def routed(dtype, dk, dv, HQ, H):
-    from nsa_ops import reference
     from nsa_ops.kernels import compressed, decode, delta, index, pooling, selection, utils, window
     for module in (window, compressed, selection, delta, index, pooling):
         module.launch = CompileForSm90
@@ -129,10 +135,7 @@ def routed(dtype, dk, dv, HQ, H):
     window._tile_config = lambda kernel, kv_bytes, on_gpu: cpu_tiles(kernel, kv_bytes, True)
     T, l, d, sel, n, w, scale = 2048, 32, 16, 64, 16, 512, dk ** -0.5
     dt = getattr(torch, dtype)
-    q, do = (torch.randn(1, T, HQ, dim, dtype=dt) for dim in (dk, dv))
-    k, v = (torch.randn(1, T, H, dim, dtype=dt) for dim in (dk, dv))
-    o, lse = torch.randn(1, T, HQ, dv, dtype=dt), torch.randn(1, T, HQ)
-    block_idx = reference.topn_blocks(torch.rand(1, T, H, T // sel), torch.arange(T), sel, n)
+    q, k, v, o, lse, do, block_idx = _inputs(dt, dk, dv, HQ, H, T, sel, n)
     # pointer loads, then as an eager launch on an sm90 GPU picks (tma=None: TMA descriptors and
     # the selection forward's shared pass where their routes allow)
     for engine in (False, True):

@@ -52,14 +52,19 @@ SPEC_SPILL_BYTES = 1024
 DECODE = {"_fused_kernel", "_partials_kernel", "_combine_kernel"}
 
 
+def _spill_stores(ptxas_log: str) -> list[tuple[str, str]]:
+    """(kernel, its spill-store bytes) of each kernel in a compile_for_sm90(ptxas_log=True) run."""
+    return re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", ptxas_log,
+                      flags=re.S)
+
+
 def test_routed_kernels_spill_little_and_access_wide_at_spec_geometry():
     """Spills within SPEC_SPILL_BYTES, and no 2-byte global load or store in a prefill kernel's
     SASS (dq from stored dS made 16 a tile, loading dS under a per-key mask: a fifth of its stall
     samples on an H200)."""
     run = compile_for_sm90("routed", "bfloat16", 128, 128, 64, 4, ptxas_log=True, sass=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    spills = re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", run.stdout,
-                        flags=re.S)
+    spills = _spill_stores(run.stdout)
     compiled = re.findall(r"^compiled (\w+)", run.stdout, flags=re.M)
     assert [name for name, _ in spills] == compiled, run.stdout[-3000:]
     assert ROUTED | SHARED_PASSES <= set(compiled), run.stdout
@@ -80,8 +85,7 @@ PLAN_SPILL_BYTES = 8192
 def test_plan_kernels_spread_wide_groups_over_warps():
     run = compile_for_sm90("plans", 8, 8, 19, ptxas_log=True)
     assert run.returncode == 0, run.stderr[-3000:]
-    spills = dict(re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores",
-                             run.stdout, flags=re.S))
+    spills = dict(_spill_stores(run.stdout))
     assert set(spills) == {"_shared_plan_kernel", "_dq_plan_kernel"}, run.stdout[-3000:]
     over = {name: int(b) for name, b in spills.items() if int(b) > PLAN_SPILL_BYTES}
     assert not over, over
