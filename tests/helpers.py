@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,22 @@ CUDNN_COMPRESSED_T = 16 * routing.CUDNN_COMPRESSED_MIN_ROWS[(9, 0)]
 # Per-dtype tolerances (atol, rtol) for comparisons against the reference.
 TOL = {torch.float64: (1e-10, 1e-8), torch.float32: (2e-5, 1e-4),
        torch.float16: (2e-2, 2e-2), torch.bfloat16: (5e-2, 5e-2)}
+
+
+def random_blocks(rng: random.Random, decode_kernel: bool = False) -> dict:
+    """An NSA block geometry drawn from what NSAConfig accepts (d | l, d | l', n >= 3), or with
+    decode_kernel from what the Triton decode kernel serves as well (l'/d a power of two, l <= l'
+    + d: `routing.decode_geometry_refusal`)."""
+    d = rng.choice((2, 4, 8, 16))
+    per_sel = rng.choice((1, 2, 4, 8)) if decode_kernel else rng.randint(1, 6)
+    per_len = rng.randint(1, min(4, per_sel + 1) if decode_kernel else 4)
+    return dict(block_len=d * per_len, block_stride=d, sel_block=d * per_sel,
+                num_sel=rng.randint(3, 9))
+
+
+def random_window(rng: random.Random, T: int) -> int:
+    """1, a window inside T tokens, or one past them."""
+    return rng.choice((1, rng.randint(2, max(2, T)), T + rng.randint(1, 50)))
 
 
 def qkv(B, T, HQ, H, Dk, Dv, dtype=torch.float32, seed=0, requires_grad=False, device="cpu"):

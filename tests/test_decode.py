@@ -1,12 +1,14 @@
 """Decode through NSACache equals prefill at every position; the read counter equals reads(S).
 Under autocast the cache takes the dtype autocast gives k and v, and decode equals autocast
 prefill."""
+import random
+
 import pytest
 import torch
 
 from nsa_ops import NSAAttention, NSACache, NSAConfig, reference
 from nsa_ops.decode import decode_attention
-from helpers import TOL, rel_err
+from helpers import TOL, random_blocks, random_window, rel_err
 
 # l=16, d=8, l'=16, n=4, w=24: T=300 crosses every cmp / selection / window boundary many times
 CFG = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=12,
@@ -88,6 +90,35 @@ def test_fixed_chunks_equal_prefill(chunk):
         outs = [m(x[:, t:t + chunk], cache) for t in range(0, x.shape[1], chunk)]
     torch.testing.assert_close(torch.cat(outs, 1), ref, atol=1e-10, rtol=0)
     assert cache.total_reads == sum(m.config.reads(S) for S in range(1, x.shape[1] + 1))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_chunks_equal_prefill_at_drawn_geometry(seed):
+    """CFG's geometry is one of many: drawn block geometry (l'/d any integer, l up to 4d), window,
+    group, head dims, phi and gate; single tokens and chunks mixed; a static or growing cache."""
+    rng = random.Random(seed)
+    T = rng.randint(20, 160)
+    G, H = rng.randint(1, 4), rng.randint(1, 2)
+    cfg = NSAConfig(hidden_size=16, num_heads=G * H, num_kv_heads=H,
+                    head_dim_qk=rng.choice((8, 12, 16)), head_dim_v=rng.choice((8, 12, 16)),
+                    window=random_window(rng, T), phi=rng.choice(("mean", "mlp")),
+                    gate_act=rng.choice(("sigmoid", "softmax")), **random_blocks(rng))
+    torch.manual_seed(seed)
+    m = NSAAttention(cfg).double()
+    with torch.no_grad():
+        for p in m.gate[-1].parameters():
+            p.normal_(0, 0.3)
+    B = rng.randint(1, 2)
+    x = torch.randn(B, T, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    chunks, t = [], 0
+    while t < T:
+        chunks.append(min(T - t, rng.choice((1, 1, rng.randint(2, 40)))))
+        t += chunks[-1]
+    with torch.no_grad():
+        ref = m(x)
+        out, reads = decode(m, x, m.new_cache(B, capacity=rng.choice((T, None))), chunks)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=0)
+    assert reads.tolist() == [cfg.reads(S) for S in range(1, T + 1)]
 
 
 def test_forked_cache_serves_several_continuations():

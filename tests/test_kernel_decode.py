@@ -14,6 +14,8 @@ prefill (relative Frobenius error < 1e-2 fp16, < 2e-2 bf16, T=2000 crossing ever
 CUDA-graph decoder equals eager decode step by step, and at 64k both the split-K and the one-launch
 kernels equal the float32 reference at a few positions.
 """
+import random
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ from nsa_ops import NSAAttention, NSACache, NSAConfig, reference, routing
 from nsa_ops import decode as dec
 from nsa_ops.kernels.decode import nsa_decode
 from nsa_ops.routing import Inputs
-from helpers import poisoned_empty, rel_err
+from helpers import poisoned_empty, random_blocks, random_window, rel_err
 
 GEO = dict(block_len=16, block_stride=8, sel_block=16, num_sel=4, window=24)
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-2}
@@ -92,6 +94,19 @@ def assert_close(got, want, atol):
     assert err.max().item() <= atol, f"error {err.max().item():.3g} > {atol}"
 
 
+def check_step(S, q, cache, ref_cache, gates, splits):
+    """The kernel's step at cache length S against the reference's on ref_cache (float64 twin):
+    the same selection and read count, the output within ATOL, in q's dtype and shape."""
+    at_length(S, cache, ref_cache)
+    with poisoned_empty():
+        o, reads, block_idx = run_kernel(q, cache, gates, splits)
+    want_o, want_reads, want_idx = reference_step(q, ref_cache, gates)
+    assert torch.equal(block_idx, want_idx), f"S={S}: selection differs"
+    assert reads.tolist() == want_reads.tolist() == [cache.config.reads(S)], f"S={S}"
+    assert o.dtype == q.dtype and o.shape == want_o.shape
+    assert_close(o, want_o, ATOL[q.dtype])
+
+
 # --------------------------------------------------------------------------------------------
 # CPU: kernel vs reference (interpreter)
 # --------------------------------------------------------------------------------------------
@@ -120,14 +135,7 @@ def test_kernel_matches_reference(B, G, H, Dk, Dv, splits, positions, dtype):
     ref_cache = twin(cache, torch.float64)
     q, gates = query(cfg, B, dtype)
     for S in positions:
-        at_length(S, cache, ref_cache)
-        with poisoned_empty():
-            o, reads, block_idx = run_kernel(q, cache, gates, splits)
-        want_o, want_reads, want_idx = reference_step(q, ref_cache, gates)
-        assert torch.equal(block_idx, want_idx), f"S={S}: selection differs"
-        assert reads.tolist() == want_reads.tolist() == [cfg.reads(S)], f"S={S}"
-        assert o.dtype == dtype and o.shape == (B, 1, G * H, Dv)
-        assert_close(o, want_o, ATOL[dtype])
+        check_step(S, q, cache, ref_cache, gates, splits)
 
 
 @pytest.mark.parametrize("splits", [(5, 1, 2), None], ids=["split-K", "one-launch"])
@@ -147,6 +155,49 @@ def test_kernel_selection_covers_many_blocks(splits):
         "three blocks beyond the forced ones"
     assert reads.tolist() == want_reads.tolist() == [cfg.reads(S)]
     assert_close(o, want_o, ATOL[torch.float32])
+
+
+def _geometry_draw(index: int) -> dict:
+    """A geometry the kernel serves, drawn (seeded by index): any d, l'/d and l <= l' + d, n,
+    window, group and head dims (not only multiples of 16), split-K or one launch."""
+    rng = random.Random(4000 + index)
+    capacity = rng.randint(8, 300)
+    return dict(geo=dict(random_blocks(rng, decode_kernel=True),
+                         window=random_window(rng, capacity)),
+                B=rng.randint(1, 3), G=rng.randint(1, 5), H=rng.randint(1, 2),
+                Dk=rng.choice((16, 24, 40, 64)), Dv=rng.choice((16, 24, 40, 64)),
+                capacity=capacity, dtype=rng.choice((torch.float32, torch.float16)),
+                splits=rng.choice((None, (rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 4)))),
+                seed=rng.randrange(1 << 16))
+
+
+def _draw_id(draw: dict) -> str:
+    g = draw["geo"]
+    return (f"B{draw['B']}G{draw['G']}H{draw['H']}-D{draw['Dk']}x{draw['Dv']}-l{g['block_len']}"
+            f"d{g['block_stride']}s{g['sel_block']}n{g['num_sel']}w{g['window']}-"
+            f"S{draw['capacity']}-{str(draw['dtype'])[6:]}-splits{draw['splits']}")
+
+
+GEOMETRY_DRAWS = [_geometry_draw(i) for i in range(16)]
+
+
+@pytest.mark.parametrize("draw", GEOMETRY_DRAWS, ids=[_draw_id(d) for d in GEOMETRY_DRAWS])
+def test_kernel_matches_reference_at_drawn_geometry(draw):
+    """Beyond CASES' one geometry: at positions beside the first compressed row's emission, the
+    first selection blocks' edges and the window's, and at the full cache."""
+    g, dtype = draw["geo"], draw["dtype"]
+    cfg = config(draw["G"], draw["H"], draw["Dk"], draw["Dv"], **g)
+    B, capacity = draw["B"], draw["capacity"]
+    edges = {1, g["block_len"], g["block_len"] + g["block_stride"], g["sel_block"] + 1,
+             2 * g["sel_block"] + 1, g["window"] + 1}
+    inside = sorted(S for S in edges if S < capacity)
+    picked = random.Random(draw["seed"]).sample(inside, min(len(inside), 3))
+    positions = sorted(picked) + [capacity]
+    cache = filled_cache(cfg, B, capacity, capacity, dtype, seed=draw["seed"])
+    ref_cache = twin(cache, torch.float64)
+    q, gates = query(cfg, B, dtype, seed=draw["seed"] + 1)
+    for S in positions:
+        check_step(S, q, cache, ref_cache, gates, draw["splits"])
 
 
 def test_kernel_input_errors():
