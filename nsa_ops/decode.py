@@ -45,7 +45,7 @@ def _p_cmp(q: Tensor, k_cmp: Tensor, mask: Tensor, lse: Tensor, scale: float) ->
     s = torch.einsum("bthgd,bshd->bhgts", q.to(cdt).view(B, Tq, H, HQ // H, -1),
                      k_cmp.to(cdt)) * scale
     lse = lse.to(cdt).view(B, Tq, H, HQ // H).permute(0, 2, 3, 1).unsqueeze(-1)
-    ok = mask & torch.isfinite(lse)
+    ok = mask & (lse != float("-inf"))  # NaN rows stay NaN (reference._probs)
     return torch.where(ok, torch.exp(torch.where(ok, s - lse, 0)), 0)
 
 

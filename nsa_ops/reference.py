@@ -228,9 +228,11 @@ def _probs(qc: Tensor, k: Tensor, mask: Tensor, lse: Optional[Tensor], scale: fl
     s = s.masked_fill(~m, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)
-    finite = torch.isfinite(lse)
-    safe = torch.where(finite, lse, torch.zeros_like(lse))
-    p = torch.where(m & finite.unsqueeze(-1), torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
+    # only an empty row (lse = -inf) gets p = 0: a NaN in q or in a visible key makes its rows
+    # NaN, as SDPA, FlashAttention and the Triton kernels make them
+    seen = lse != float("-inf")
+    safe = torch.where(seen, lse, torch.zeros_like(lse))
+    p = torch.where(m & seen.unsqueeze(-1), torch.exp(s - safe.unsqueeze(-1)), torch.zeros_like(s))
     return p, lse
 
 
@@ -501,6 +503,9 @@ def topn_blocks(score: Tensor, pos: Tensor, sel_block: int, num_sel: int) -> Ten
     cur = (pos // sel_block)[:, None]
     valid = (j[None] * sel_block <= pos[:, None])  # [tc, nblk]
     forced = valid & ((j[None] == 0) | (j[None] == cur) | (j[None] == cur - 1))
+    # a NaN score (a NaN input's row) ranks below every number: sorted first, it had pushed the
+    # forced blocks out
+    score = torch.where(score.isnan(), torch.finfo(score.dtype).min, score)
     key = torch.where(forced[None, :, None], float("inf"),
                       torch.where(valid[None, :, None], score, float("-inf")))
     if nblk < num_sel:

@@ -5,6 +5,7 @@ import torch
 
 import nsa_ops
 from nsa_ops import reference as R
+from nsa_ops import routing
 from helpers import SMALL, TOL, compressed, cu_seqlens, gates, qkv, selection_for
 
 
@@ -74,6 +75,14 @@ def test_topn_forced_ties_and_padding():
     score = torch.tensor([0.0, 0.3, 0.3, 0.1, 0.3, 0.0, 0.0, 9.0])  # block 7 invalid (224 > 200)
     out = R.topn_blocks(score.view(1, 1, 1, -1), torch.tensor([200]), 32, 5)
     # forced {0, 5, 6}; then 0.3-ties go to the lower indices 1, 2 (4 loses the tie)
+    assert out.flatten().tolist() == [0, 1, 2, 5, 6]
+
+
+def test_topn_keeps_the_forced_blocks_among_nan_scores():
+    # a NaN input's row: its scores carry no order, its forced blocks still stand
+    score = torch.tensor([0.2, float("nan"), 0.3, float("nan"), float("nan"), 0.1, 0.0, 9.0])
+    out = R.topn_blocks(score.view(1, 1, 1, -1), torch.tensor([200]), 32, 5)
+    # forced {0, 5, 6}; then 2, the one number among 1-4; then the NaNs as ties, lowest first
     assert out.flatten().tolist() == [0, 1, 2, 5, 6]
 
 
@@ -167,6 +176,52 @@ def test_no_visible_block_gives_zero_and_minus_inf():
     assert torch.equal(o[:, :15], torch.zeros_like(o[:, :15]))
     assert bool(torch.isneginf(lse[:, :15]).all()) and bool(torch.isfinite(lse[:, 15:]).all())
     assert not bool(torch.isnan(o).any())
+
+
+def _nan_rows_case(op: str, impl: str, poison: str):
+    """o's NaN rows [T, HQ] for one NaN in q (token 40, head 1) or in one key of KV head 0 (token
+    20; compressed row 2), and the rows that attend to it (G = 2, l = 16, d = 8, l' = 16)."""
+    q, k, v = qkv(1, 64, 4, 2, 16, 16, torch.float32, seed=3)
+    k_cmp, v_cmp = compressed(k, v, SMALL)
+    t = torch.arange(64)[:, None]
+    heads = torch.arange(4)[None, :]
+    if poison == "q":
+        q[0, 40, 1, 5] = float("nan")
+        want = (t == 40) & (heads == 1)
+    else:
+        k[0, 20, 0, 5] = float("nan")
+        k_cmp[0, 2, 0, 5] = float("nan")
+        first, last = {"sliding_window_attention": (20, 20 + 24 - 1),
+                       "selection_attention": (20, 63),
+                       "compressed_attention": (2 * 8 + 16 - 1, 63)}[op]
+        want = (t >= first) & (t <= last) & (heads < 2)
+    blocks = torch.tensor([0, 1, 2], dtype=torch.int32).expand(1, 64, 2, 3)
+    args = {"sliding_window_attention": (q, k, v, 24, 0.25),
+            "selection_attention": (q, k, v, blocks, 16, 0.25),
+            "compressed_attention": (q, k_cmp, v_cmp, 16, 8, 0.25)}[op]
+    with routing.force(**{op: impl}):
+        o, _ = getattr(torch.ops.nsa, op)(*args)
+    return o[0].isnan().any(-1), want
+
+
+@pytest.mark.parametrize("poison", ["q", "key"])
+@pytest.mark.parametrize("op, impl", [
+    ("sliding_window_attention", "reference"), ("sliding_window_attention", "triton"),
+    ("compressed_attention", "reference"), ("compressed_attention", "triton"),
+    ("selection_attention", "reference"), ("selection_attention", "triton"),
+    ("selection_attention", "packed_sdpa")])
+def test_a_nan_input_makes_exactly_the_rows_that_see_it_nan(op, impl, poison):
+    """As in SDPA and FlashAttention, on every route: the reference had returned 0 for them
+    (it took a NaN lse for an empty row) where the kernels returned NaN."""
+    got, want = _nan_rows_case(op, impl, poison)
+    assert torch.equal(got, want), f"NaN rows {got.nonzero().tolist()[:4]}..."
+
+
+def test_a_nan_query_row_of_the_layer_is_nan_alone():
+    q, k, v = qkv(1, 64, 4, 2, 16, 16, torch.float32, seed=3)
+    q[0, 40, 1, 5] = float("nan")
+    o = nsa_ops.nsa_attention(q, k, v, *gates(1, 64, 4), **SMALL, window=24)
+    assert o[0].isnan().any(-1).nonzero().tolist() == [[40, 1]]
 
 
 # ---- the functional API ---------------------------------------------------------------------
