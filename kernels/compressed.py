@@ -165,7 +165,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SEQ, POS, CMP_CU,
         m_i, l_i, acc = _fwd_step(q, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, m_i, l_i, acc,
                                   qk_scale, DK, DV, DK_PAD, DV_PAD, BLOCK_N, True, PREC)
 
-    seen = l_i > 0
+    seen = l_i != 0  # a NaN row (a NaN input) keeps lse = NaN, not an empty row's -inf
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
     d = tl.arange(0, DV_PAD)

@@ -747,7 +747,7 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
     if TT > 0:
         # merge the shared pass's softmax: its max is its lse (base 2), its sum 1, its output o
         lse0 = tl.load(lse + (b * T + t) * (H * G) + heads, mask=gmask, other=float("-inf"))
-        seen0 = lse0 > float("-inf")
+        seen0 = lse0 != float("-inf")  # a NaN row stays NaN
         m0 = tl.where(seen0, lse0 * LOG2E, -1e30)
         o0 = _load_tile(o, b * so_b + t * so_t + heads * so_h, gmask, DV, DVP).to(tl.float32)
         m_new = tl.maximum(m, m0)
@@ -755,7 +755,7 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
         alpha0 = tl.where(seen0, tl.exp2(m0 - m_new), 0.0)
         m, l, acc = m_new, l * alpha + alpha0, acc * alpha[:, None] + o0 * alpha0[:, None]
 
-    seen = l > 0
+    seen = l != 0  # NaN rows keep lse = NaN (compressed._fwd_kernel)
     l_safe = tl.where(seen, l, 1.0)
     lse_row = tl.where(seen, (m + tl.log2(l_safe)) * LN2, float("-inf"))
     return acc / l_safe[:, None], lse_row, heads, gmask
@@ -867,7 +867,7 @@ def _shared_fwd_kernel(q, k, v, kd, vd, o, lse, listed, OFF, sq_b, sq_t, sq_h, s
                            DK, DV, DKP, DVP)
         m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
 
-    seen = l > 0
+    seen = l != 0  # NaN rows keep lse = NaN (compressed._fwd_kernel)
     l_safe = tl.where(seen, l, 1.0)
     lse_row = tl.where(seen, (m + tl.log2(l_safe)) * LN2, float("-inf"))
     _store_tile(o, b * so_b + toks * so_t + heads * so_h, rmask, acc / l_safe[:, None], DV, DVP)

@@ -370,6 +370,27 @@ def test_selection_shared_pass(B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run
         assert_close(name, grad, expected, dtype)
 
 
+@pytest.mark.parametrize("poison", ["q", "key"])
+def test_selection_shared_pass_keeps_nan_rows_nan(poison):
+    """The walk merges the pass's output by its lse: a NaN lse had counted as an empty row's, so
+    a NaN key in a shared block left the row's lse finite. The NaN rows of o and lse are those of
+    the reference (tests/test_semantics.py: the rows that see the NaN)."""
+    B, Tk, Tq, H, G, Dk, Dv, sel_block, n, dtype, run, drop = SHARED_CASES[0]
+    q, k, v = make_qkv(B, Tk, H, G, Dk, Dv, dtype, seed=7)
+    block_idx = shared_case_block_idx(q, k, Tq, sel_block, n, run, drop)
+    if poison == "q":
+        q[0, 50, 1, 3] = float("nan")
+    else:
+        k[0, 5, 0, 3] = float("nan")  # in block 0, which every query takes
+    o, lse = selection_attention_fwd(q, k, v, block_idx, sel_block, Dk ** -0.5, tma=True,
+                                     shared=True)
+    o_ref, lse_ref = ref.selection_attention(q.double(), k.double(), v.double(), block_idx,
+                                             sel_block, Dk ** -0.5)
+    assert o_ref.isnan().any() and not o_ref.isnan().all()
+    assert torch.equal(o.isnan().any(-1), o_ref.isnan().any(-1))
+    assert torch.equal(lse.isnan(), lse_ref.isnan())
+
+
 def test_selection_shared_pass_refuses():
     q, k, v = make_qkv(1, 40, 1, 2, 16, 16, torch.float32)
     block_idx = random_block_idx(1, 40, 1, 2, 16)

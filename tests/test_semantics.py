@@ -179,8 +179,9 @@ def test_no_visible_block_gives_zero_and_minus_inf():
 
 
 def _nan_rows_case(op: str, impl: str, poison: str):
-    """o's NaN rows [T, HQ] for one NaN in q (token 40, head 1) or in one key of KV head 0 (token
-    20; compressed row 2), and the rows that attend to it (G = 2, l = 16, d = 8, l' = 16)."""
+    """o's and lse's NaN rows [T, HQ] for one NaN in q (token 40, head 1) or in one key of KV
+    head 0 (token 20; compressed row 2), and the rows that attend to it (G = 2, l = 16, d = 8,
+    l' = 16)."""
     q, k, v = qkv(1, 64, 4, 2, 16, 16, torch.float32, seed=3)
     k_cmp, v_cmp = compressed(k, v, SMALL)
     t = torch.arange(64)[:, None]
@@ -200,8 +201,8 @@ def _nan_rows_case(op: str, impl: str, poison: str):
             "selection_attention": (q, k, v, blocks, 16, 0.25),
             "compressed_attention": (q, k_cmp, v_cmp, 16, 8, 0.25)}[op]
     with routing.force(**{op: impl}):
-        o, _ = getattr(torch.ops.nsa, op)(*args)
-    return o[0].isnan().any(-1), want
+        o, lse = getattr(torch.ops.nsa, op)(*args)
+    return o[0].isnan().any(-1), lse[0].isnan(), want
 
 
 @pytest.mark.parametrize("poison", ["q", "key"])
@@ -211,10 +212,12 @@ def _nan_rows_case(op: str, impl: str, poison: str):
     ("selection_attention", "reference"), ("selection_attention", "triton"),
     ("selection_attention", "packed_sdpa")])
 def test_a_nan_input_makes_exactly_the_rows_that_see_it_nan(op, impl, poison):
-    """As in SDPA and FlashAttention, on every route: the reference had returned 0 for them
-    (it took a NaN lse for an empty row) where the kernels returned NaN."""
-    got, want = _nan_rows_case(op, impl, poison)
-    assert torch.equal(got, want), f"NaN rows {got.nonzero().tolist()[:4]}..."
+    """As in SDPA and FlashAttention, on every route: the reference had returned o = 0 for them
+    (it took a NaN lse for an empty row) where the kernels returned NaN, and the compressed and
+    selection kernels an empty row's lse = -inf."""
+    o_rows, lse_rows, want = _nan_rows_case(op, impl, poison)
+    assert torch.equal(o_rows, want), f"o's NaN rows {o_rows.nonzero().tolist()[:4]}..."
+    assert torch.equal(lse_rows, want), f"lse's NaN rows {lse_rows.nonzero().tolist()[:4]}..."
 
 
 def test_a_nan_query_row_of_the_layer_is_nan_alone():
