@@ -98,6 +98,8 @@ def check_qkv(q, k, v, k_name: str = "k", v_name: str = "v") -> None:
               f"{k_name} {tuple(k.shape)}, {v_name} {tuple(v.shape)}")
     if k.shape[3] != Dk:
         _fail(f"{k_name} must have head dim Dk={Dk} like q ([B, T, H, Dk]), got {tuple(k.shape)}")
+    if Dk == 0 or v.shape[3] == 0:
+        _fail(f"head dims must be >= 1, got Dk={Dk} (q, {k_name}) and Dv={v.shape[3]} ({v_name})")
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
         _fail(f"{v_name} must have the same length and heads as {k_name} "
               f"({tuple(k.shape[:3])}), got {tuple(v.shape)}")

@@ -81,6 +81,20 @@ def test_heads_not_multiple(op, x):
     expect(r"q heads HQ=3 must be a multiple of (k|k_cmp) heads H=2", op, x, **over)
 
 
+@pytest.mark.parametrize("op", ["cmp", "select", "sel", "win"])
+def test_empty_head_dim(op, x):
+    keys = ("k_cmp", "v_cmp") if op in ("cmp", "select") else ("k", "v")
+    expect(r"head dims must be >= 1, got Dk=0", op, x, q=x["q"][..., :0],
+           **{keys[0]: x[keys[0]][..., :0]})
+    if op != "select":  # select_blocks takes no values
+        expect(r"head dims must be >= 1, got Dk=16 \(q, k(_cmp)?\) and Dv=0", op, x,
+               **{keys[1]: x[keys[1]][..., :0]})
+    if op == "win":  # the layer's default scale, Dk ** -0.5, had raised ZeroDivisionError
+        with pytest.raises(ValueError, match="head dims must be >= 1"):
+            nsa_ops.nsa_attention(x["q"][..., :0], x["k"][..., :0], x["v"],
+                                  *gates(B, T, HQ), **SMALL)
+
+
 @pytest.mark.parametrize("l,d,lp,match", [
     (16, 6, 16, r"block_stride must divide block_len \(d \| l\)"),
     (16, 8, 12, r"block_stride must divide sel_block \(d \| l'\)"),
