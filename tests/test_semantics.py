@@ -178,11 +178,14 @@ def test_no_visible_block_gives_zero_and_minus_inf():
     assert not bool(torch.isnan(o).any())
 
 
-def _nan_rows_case(op: str, impl: str, poison: str):
+NAN_OPS = ("sliding_window_attention", "compressed_attention", "selection_attention")
+
+
+def _nan_rows_case(op: str, impl: str, poison: str, device="cpu", dtype=torch.float32):
     """o's and lse's NaN rows [T, HQ] for one NaN in q (token 40, head 1) or in one key of KV
     head 0 (token 20; compressed row 2), and the rows that attend to it (G = 2, l = 16, d = 8,
     l' = 16)."""
-    q, k, v = qkv(1, 64, 4, 2, 16, 16, torch.float32, seed=3)
+    q, k, v = qkv(1, 64, 4, 2, 16, 16, dtype, seed=3, device=device)
     k_cmp, v_cmp = compressed(k, v, SMALL)
     t = torch.arange(64)[:, None]
     heads = torch.arange(4)[None, :]
@@ -196,21 +199,19 @@ def _nan_rows_case(op: str, impl: str, poison: str):
                        "selection_attention": (20, 63),
                        "compressed_attention": (2 * 8 + 16 - 1, 63)}[op]
         want = (t >= first) & (t <= last) & (heads < 2)
-    blocks = torch.tensor([0, 1, 2], dtype=torch.int32).expand(1, 64, 2, 3)
+    blocks = torch.tensor([0, 1, 2], dtype=torch.int32, device=device).expand(1, 64, 2, 3)
     args = {"sliding_window_attention": (q, k, v, 24, 0.25),
             "selection_attention": (q, k, v, blocks, 16, 0.25),
             "compressed_attention": (q, k_cmp, v_cmp, 16, 8, 0.25)}[op]
     with routing.force(**{op: impl}):
         o, lse = getattr(torch.ops.nsa, op)(*args)
-    return o[0].isnan().any(-1), lse[0].isnan(), want
+    return o[0].isnan().any(-1).cpu(), lse[0].isnan().cpu(), want
 
 
 @pytest.mark.parametrize("poison", ["q", "key"])
-@pytest.mark.parametrize("op, impl", [
-    ("sliding_window_attention", "reference"), ("sliding_window_attention", "triton"),
-    ("compressed_attention", "reference"), ("compressed_attention", "triton"),
-    ("selection_attention", "reference"), ("selection_attention", "triton"),
-    ("selection_attention", "packed_sdpa")])
+@pytest.mark.parametrize("op, impl", [(op, impl) for op in NAN_OPS
+                                      for impl in ("reference", "triton")]
+                         + [("selection_attention", "packed_sdpa")])
 def test_a_nan_input_makes_exactly_the_rows_that_see_it_nan(op, impl, poison):
     """As in SDPA and FlashAttention, on every route: the reference had returned o = 0 for them
     (it took a NaN lse for an empty row) where the kernels returned NaN, and the compressed and
@@ -218,6 +219,25 @@ def test_a_nan_input_makes_exactly_the_rows_that_see_it_nan(op, impl, poison):
     o_rows, lse_rows, want = _nan_rows_case(op, impl, poison)
     assert torch.equal(o_rows, want), f"o's NaN rows {o_rows.nonzero().tolist()[:4]}..."
     assert torch.equal(lse_rows, want), f"lse's NaN rows {lse_rows.nonzero().tolist()[:4]}..."
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poison", ["q", "key"])
+@pytest.mark.parametrize("op", NAN_OPS)
+def test_gpu_nan_rows_on_every_route_that_serves(op, poison):
+    """bf16 on the GPU, each route that serves the op there when forced (cuDNN, bundled FA-2,
+    the Triton kernels with their GPU tiles, packed SDPA, the reference), as on CPU."""
+    served = []
+    for route in routing.candidates(op):
+        try:
+            o_rows, lse_rows, want = _nan_rows_case(op, route.impl, poison, "cuda",
+                                                    torch.bfloat16)
+        except routing.RoutingError:  # this route refuses these inputs on this machine
+            continue
+        served.append(route.impl)
+        assert torch.equal(o_rows, want), f"{route.impl}: o's NaN rows differ"
+        assert torch.equal(lse_rows, want), f"{route.impl}: lse's NaN rows differ"
+    assert "triton" in served and "reference" in served, served
 
 
 def test_a_nan_query_row_of_the_layer_is_nan_alone():
