@@ -208,6 +208,8 @@ def _nan_rows_case(op: str, impl: str, poison: str, device="cpu", dtype=torch.fl
     return o[0].isnan().any(-1).cpu(), lse[0].isnan().cpu(), want
 
 
+# the interpreter takes the max of a NaN row with numpy, which warns
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")
 @pytest.mark.parametrize("poison", ["q", "key"])
 @pytest.mark.parametrize("op, impl", [(op, impl) for op in NAN_OPS
                                       for impl in ("reference", "triton")]
