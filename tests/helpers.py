@@ -22,15 +22,16 @@ TOL = {torch.float64: (1e-10, 1e-8), torch.float32: (2e-5, 1e-4),
        torch.float16: (2e-2, 2e-2), torch.bfloat16: (5e-2, 5e-2)}
 
 
-def random_blocks(rng: random.Random, decode_kernel: bool = False) -> dict:
-    """An NSA block geometry drawn from what NSAConfig accepts (d | l, d | l', n >= 3), or with
-    decode_kernel from what the Triton decode kernel serves as well (l'/d a power of two, l <= l'
-    + d: `routing.decode_geometry_refusal`)."""
-    d = rng.choice((2, 4, 8, 16))
-    per_sel = rng.choice((1, 2, 4, 8)) if decode_kernel else rng.randint(1, 6)
-    per_len = rng.randint(1, min(4, per_sel + 1) if decode_kernel else 4)
-    return dict(block_len=d * per_len, block_stride=d, sel_block=d * per_sel,
-                num_sel=rng.randint(3, 9))
+def random_blocks(rng: random.Random, refusal=None) -> dict:
+    """An NSA block geometry drawn from what NSAConfig accepts (d | l, d | l', n >= 3); with
+    refusal (geometry -> reason or None, e.g. the decode kernel's), drawn again until it has
+    none."""
+    while True:
+        d = rng.choice((2, 4, 8, 16))
+        geometry = dict(block_len=d * rng.randint(1, 4), block_stride=d,
+                        sel_block=d * rng.randint(1, 8), num_sel=rng.randint(3, 9))
+        if refusal is None or refusal(geometry) is None:
+            return geometry
 
 
 def random_window(rng: random.Random, T: int) -> int:

@@ -158,12 +158,15 @@ def test_kernel_selection_covers_many_blocks(splits):
 
 
 def _geometry_draw(index: int) -> dict:
-    """A geometry the kernel serves, drawn (seeded by index): any d, l'/d and l <= l' + d, n,
-    window, group and head dims (not only multiples of 16), split-K or one launch."""
+    """A geometry the kernel serves, drawn (seeded by index): block sizes, n, window, group and
+    head dims (not only multiples of 16), split-K or one launch."""
     rng = random.Random(4000 + index)
     capacity = rng.randint(8, 300)
-    return dict(geo=dict(random_blocks(rng, decode_kernel=True),
-                         window=random_window(rng, capacity)),
+
+    def refusal(g):
+        return routing.decode_geometry_refusal(routing.DecodeGeometry(
+            g["block_len"], g["block_stride"], g["sel_block"], capacity))
+    return dict(geo=dict(random_blocks(rng, refusal), window=random_window(rng, capacity)),
                 B=rng.randint(1, 3), G=rng.randint(1, 5), H=rng.randint(1, 2),
                 Dk=rng.choice((16, 24, 40, 64)), Dv=rng.choice((16, 24, 40, 64)),
                 capacity=capacity, dtype=rng.choice((torch.float32, torch.float16)),
