@@ -27,7 +27,7 @@ from helpers import poisoned_empty, random_blocks, random_window, rel_err
 
 GEO = dict(block_len=16, block_stride=8, sel_block=16, num_sel=4, window=24)
 ATOL = {torch.float32: 1e-5, torch.float16: 1e-2}
-# on the GPU fp32 dots may run as TF32-free ieee but in another order; bf16 rounds at 2^-8
+# on the GPU: fp32 dots summed in another order than the reference's; bf16 outputs round at 2^-8
 ATOL_GPU = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 REL_GPU = {torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
