@@ -37,18 +37,6 @@ from .cache import NSACache
 ROW_CHUNK = 64
 
 
-def _p_cmp(q: Tensor, k_cmp: Tensor, mask: Tensor, lse: Tensor, scale: float) -> Tensor:
-    """p_cmp [B,H,G,Tq,rows] = exp(q.k_cmp*scale - lse) on visible rows, 0 elsewhere."""
-    B, Tq, HQ, _ = q.shape
-    H = k_cmp.shape[2]
-    cdt = reference.compute_dtype(q.dtype)
-    s = torch.einsum("bthgd,bshd->bhgts", q.to(cdt).view(B, Tq, H, HQ // H, -1),
-                     k_cmp.to(cdt)) * scale
-    lse = lse.to(cdt).view(B, Tq, H, HQ // H).permute(0, 2, 3, 1).unsqueeze(-1)
-    ok = mask & (lse != float("-inf"))  # NaN rows stay NaN (reference._probs)
-    return torch.where(ok, torch.exp(torch.where(ok, s - lse, 0)), 0)
-
-
 def _selection(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, pos: Tensor, sel_block: int,
                scale: float) -> tuple[Tensor, int]:
     """Attention of each row over its gathered blocks; returns (o [B,Tq,HQ,Dv], rows read)."""
@@ -86,7 +74,7 @@ def _rows(q: Tensor, p0: int, cache: NSACache, g_cmp: Tensor, g_slc: Tensor, g_w
     k, v = cache.selection_kv()
     nblk = -(-cache.length // c.sel_block)
     overlap = reference.overlap_matrix(cidx, c.block_len, c.block_stride, c.sel_block, nblk)
-    p_cmp = _p_cmp(q, k_cmp, cmp_mask[None, None, None], lse, scale)
+    p_cmp = reference.cmp_probs(q, k_cmp, lse, cmp_mask[None, None], scale)
     score = (p_cmp @ overlap.to(p_cmp.dtype)).sum(2).permute(0, 2, 1, 3)  # Eq.9, Eq.10
     block_idx = reference.topn_blocks(score, pos, c.sel_block, c.num_sel)
     o_slc, slc_reads = _selection(q, k, v, block_idx, pos, c.sel_block, scale)

@@ -221,6 +221,11 @@ def _group(q: Tensor, H: int) -> Tensor:
     return q.view(B, T, H, HQ // H, D)
 
 
+def _rows_grouped(x: Tensor, H: int) -> Tensor:
+    """Per-row stats [B,T,HQ] (lse, dlse) as [B,H,G,T], the layout _probs takes."""
+    return _group(x[..., None], H)[..., 0].permute(0, 2, 3, 1)
+
+
 def _probs(qc: Tensor, k: Tensor, mask: Tensor, lse: Optional[Tensor], scale: float):
     """Scores [B,H,G,tc,S] masked; returns (probs, lse [B,H,G,tc]). lse = -inf on empty rows."""
     s = torch.einsum("bthgd,bshd->bhgts", qc, k) * scale
@@ -279,13 +284,13 @@ def masked_attention_backward(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: T
         qc = _group(q[:, t0:t1].to(cdt), H)
         doc = _group(do[:, t0:t1].to(cdt), H)
         oc = _group(o[:, t0:t1].to(cdt), H)
-        lsec = _group(lse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)  # [B,H,G,tc]
+        lsec = _rows_grouped(lse[:, t0:t1].to(cdt), H)
         p, _ = _probs(qc, k32, mask_fn(t0, t1), lsec, scale)
         dv += torch.einsum("bhgts,bthgd->bshd", p, doc)
         dp = torch.einsum("bthgd,bshd->bhgts", doc, v32)
         delta = (doc * oc).sum(-1).permute(0, 2, 3, 1)  # [B,H,G,tc]
         if dlse is not None:
-            delta = delta - _group(dlse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)
+            delta = delta - _rows_grouped(dlse[:, t0:t1].to(cdt), H)
         ds = p * (dp - delta.unsqueeze(-1))
         dqs.append((torch.einsum("bhgts,bshd->bthgd", ds, k32) * scale).reshape(B, t1 - t0, HQ, Dk))
         dk += torch.einsum("bhgts,bthgd->bshd", ds, qc) * scale
@@ -527,12 +532,21 @@ def key_span(T: int, rows: int, block_len: int, block_stride: int, seqlen_k: Opt
     return T if seqlen_k is None else seqlen_k
 
 
+def cmp_probs(q: Tensor, k_cmp: Tensor, lse: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """p_cmp [B,H,G,T,rows] = exp(q.k_cmp * scale - lse) where mask ([B or 1, H or 1, T, rows])
+    lets a query see a compressed row, 0 elsewhere, in the compute dtype: what the Eq.9 / Eq.10
+    scores sum."""
+    H = k_cmp.shape[2]
+    cdt = compute_dtype(q.dtype)
+    return _probs(_group(q.to(cdt), H), k_cmp.to(cdt), mask, _rows_grouped(lse.to(cdt), H),
+                  scale)[0]
+
+
 def _block_scorer(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_stride: int,
                   sel_block: int, scale: float, cu_seqlens: Optional[Tensor],
                   seqlen_k: Optional[int] = None, cu_seqlens_k: Optional[Tensor] = None):
     """score(t0, t1) -> Eq.10 scores of query rows t0..t1; masks and Eq.9 weights built once."""
     T, rows = q.shape[1], k_cmp.shape[1]
-    H = k_cmp.shape[2]
     cdt = compute_dtype(q.dtype)
     mask_fn = compressed_mask_fn(T, rows, block_len, block_stride, cu_seqlens, q.device, seqlen_k,
                                  cu_seqlens_k)
@@ -544,9 +558,7 @@ def _block_scorer(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     k32 = k_cmp.to(cdt)
 
     def score(t0: int, t1: int) -> Tensor:
-        qc = _group(q[:, t0:t1].to(cdt), H)
-        lsec = _group(lse[:, t0:t1, :, None].to(cdt), H)[..., 0].permute(0, 2, 3, 1)
-        p_cmp, _ = _probs(qc, k32, mask_fn(t0, t1), lsec, scale)  # [B,H,G,tc,rows]
+        p_cmp = cmp_probs(q[:, t0:t1], k32, lse[:, t0:t1], mask_fn(t0, t1), scale)
         p_slc = p_cmp @ overlap  # Eq.9 -> [B,H,G,tc,nblk]
         return p_slc.sum(2).permute(0, 2, 1, 3)  # Eq.10: sum over the group's G query heads
     return score
