@@ -192,8 +192,7 @@ GEOMETRY_DRAWS = [_geometry_draw(i) for i in range(16)]
 GPU_GEOMETRY_DRAWS = [_geometry_draw(i, gpu=True) for i in range(12)]
 
 
-@pytest.mark.parametrize("draw", GEOMETRY_DRAWS, ids=[_draw_id(d) for d in GEOMETRY_DRAWS])
-def test_kernel_matches_reference_at_drawn_geometry(draw, device="cpu"):
+def _check_drawn(draw: dict, device: str):
     """Beyond CASES' one geometry: at positions beside the first compressed row's emission, the
     first selection blocks' edges and the window's, and at the full cache."""
     g, dtype = draw["geo"], draw["dtype"]
@@ -211,12 +210,17 @@ def test_kernel_matches_reference_at_drawn_geometry(draw, device="cpu"):
         check_step(S, q, cache, ref_cache, gates, draw["splits"])
 
 
+@pytest.mark.parametrize("draw", GEOMETRY_DRAWS, ids=[_draw_id(d) for d in GEOMETRY_DRAWS])
+def test_kernel_matches_reference_at_drawn_geometry(draw):
+    _check_drawn(draw, "cpu")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("draw", GPU_GEOMETRY_DRAWS,
                          ids=[_draw_id(d) for d in GPU_GEOMETRY_DRAWS])
 def test_gpu_kernel_matches_reference_at_drawn_geometry(draw):
     """The same on the GPU: its tiles, stages and split heuristic at drawn geometry."""
-    test_kernel_matches_reference_at_drawn_geometry(draw, "cuda")
+    _check_drawn(draw, "cuda")
 
 
 def test_kernel_input_errors():
