@@ -504,8 +504,7 @@ def _block_keys(score, j, pos, live, SEL: tl.constexpr):
     jj = j[None, :]
     allowed = live[:, None] & (jj * SEL <= pos[:, None])
     forced = allowed & ((jj == 0) | (jj == cur) | (jj == cur - 1))
-    bits = tl.where(forced, float("inf"), score).to(tl.int32, bitcast=True)
-    return tl.where(allowed, (bits.to(tl.int64) << 32) + (2147483647 - jj), -1)
+    return rank_key(score, jj, allowed, forced)
 
 
 @triton.jit
@@ -596,10 +595,17 @@ def top_n_keys(score, allowed, forced, NSEL_PAD: tl.constexpr, NBLK_PAD: tl.cons
     the lower j has the larger key. Keys are distinct, so one bitonic tl.topk (not n rounds of
     argmax) ranks them with the reference's tie-break. Blocks not allowed are -1: below every
     allowed block, and `key_block` of them is meaningless."""
-    j = tl.arange(0, NBLK_PAD)
-    bits = tl.where(forced, float("inf"), score).to(tl.int32, bitcast=True)
-    key = tl.where(allowed, (bits.to(tl.int64) << 32) + (2147483647 - j), -1)
+    key = rank_key(score, tl.arange(0, NBLK_PAD), allowed, forced)
     return key, tl.topk(key, NSEL_PAD)
+
+
+@triton.jit
+def rank_key(score, j, allowed, forced):
+    """`top_n_keys`' key of block j: -1 where not allowed. A NaN score (a NaN input's row)
+    ranks as 0, as in `reference.topn_blocks`: its float bits would outrank the forced blocks'
+    +inf. tl.maximum is max.f32 (the interpreter's fmax), which takes the number of a NaN pair."""
+    bits = tl.where(forced, float("inf"), tl.maximum(score, 0.0)).to(tl.int32, bitcast=True)
+    return tl.where(allowed, (bits.to(tl.int64) << 32) + (2147483647 - j), -1)
 
 
 @triton.jit

@@ -508,9 +508,9 @@ def topn_blocks(score: Tensor, pos: Tensor, sel_block: int, num_sel: int) -> Ten
     cur = (pos // sel_block)[:, None]
     valid = (j[None] * sel_block <= pos[:, None])  # [tc, nblk]
     forced = valid & ((j[None] == 0) | (j[None] == cur) | (j[None] == cur - 1))
-    # a NaN score (a NaN input's row) ranks below every number: sorted first, it had pushed the
-    # forced blocks out
-    score = torch.where(score.isnan(), torch.finfo(score.dtype).min, score)
+    # a NaN score (a NaN input's row) ranks as 0, the least a score can be (as in the kernels'
+    # keys): sorted first, it had pushed the forced blocks out
+    score = torch.where(score.isnan(), 0.0, score)
     key = torch.where(forced[None, :, None], float("inf"),
                       torch.where(valid[None, :, None], score, float("-inf")))
     if nblk < num_sel:

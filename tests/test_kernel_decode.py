@@ -159,6 +159,26 @@ def test_kernel_selection_covers_many_blocks(splits):
     assert reads.tolist() == want_reads.tolist() == [cfg.reads(S)]
     assert_close(o, want_o, ATOL[torch.float32])
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")
+@pytest.mark.parametrize("splits", [(5, 1, 2), None], ids=["split-K", "one-launch"])
+def test_a_nan_query_keeps_its_forced_blocks(splits):
+    """A NaN query head (batch row 1, KV head 0's group) selects as the reference does: the
+    forced blocks, then the lowest (a NaN score ranks as 0; the top-n keys had ranked its float
+    bits above the forced blocks' +inf), and only that head's output is NaN."""
+    cfg = config(2, 2, 16, 16, num_sel=6)
+    S = 300
+    cache = filled_cache(cfg, 2, S, capacity=S, dtype=torch.float32)
+    q, gates = query(cfg, 2, torch.float32)
+    q[1, 0, 1, 3] = float("nan")
+    with poisoned_empty():
+        o, _, block_idx = run_kernel(q, cache, gates, splits=splits)
+    _, _, want_idx = reference_step(q, twin(cache, torch.float64), gates)
+    cur = (S - 1) // cfg.sel_block
+    assert block_idx[1, 0, 0].tolist() == [0, 1, 2, 3, cur - 1, cur]
+    assert torch.equal(block_idx, want_idx)
+    assert o.isnan().any(-1).nonzero().tolist() == [[1, 0, 1]]
+
+
 
 def _geometry_draw(index: int, gpu: bool = False) -> dict:
     """A geometry the kernel serves, drawn (seeded by index): block sizes, n, window, group and

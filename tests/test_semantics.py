@@ -82,7 +82,7 @@ def test_topn_keeps_the_forced_blocks_among_nan_scores():
     # a NaN input's row: its scores carry no order, its forced blocks still stand
     score = torch.tensor([0.2, float("nan"), 0.3, float("nan"), float("nan"), 0.1, 0.0, 9.0])
     out = R.topn_blocks(score.view(1, 1, 1, -1), torch.tensor([200]), 32, 5)
-    # forced {0, 5, 6}; then 2, the one number among 1-4; then the NaNs as ties, lowest first
+    # forced {0, 5, 6}; then 2, the largest among 1-4; then the NaNs, as 0s, lowest first
     assert out.flatten().tolist() == [0, 1, 2, 5, 6]
 
 
@@ -240,6 +240,25 @@ def test_gpu_nan_rows_on_every_route_that_serves(op, poison):
         assert torch.equal(o_rows, want), f"{route.impl}: o's NaN rows differ"
         assert torch.equal(lse_rows, want), f"{route.impl}: lse's NaN rows differ"
     assert "triton" in served and "reference" in served, served
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered")
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_nan_query_row_keeps_its_forced_blocks(impl):
+    """The NaN row's scores rank as 0 (ties to the lower index) behind its forced blocks: the
+    Triton keys had ranked a NaN's float bits above the forced blocks' +inf (blocks 1-5 at t =
+    127 where 0, 6 and 7 are forced), the reference had sorted NaN first."""
+    q, k, v = qkv(1, 128, 4, 2, 16, 16, torch.float32, seed=3)
+    k_cmp, v_cmp = compressed(k, v, SMALL)
+    _, lse = R.compressed_attention(q, k_cmp, v_cmp, 16, 8, 0.25)
+    want = R.select_blocks(q, k_cmp, lse, 16, 8, 16, 5, 0.25)
+    q[0, 127, 1, 5] = float("nan")
+    lse[0, 127, 1] = float("nan")
+    with routing.force(select_blocks=impl):
+        idx = torch.ops.nsa.select_blocks(q, k_cmp, lse, 16, 8, 16, 5, 0.25)
+    assert idx[0, 127, 0].tolist() == [0, 1, 2, 6, 7]
+    assert torch.equal(idx[0, 127, 1], want[0, 127, 1])
+    assert torch.equal(idx[:, :127], want[:, :127]), "a NaN row changed another row's blocks"
 
 
 def test_a_nan_query_row_of_the_layer_is_nan_alone():
