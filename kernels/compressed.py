@@ -23,7 +23,7 @@ from torch import Tensor
 
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
-from nsa_ops.kernels.softmax import attend_tile
+from nsa_ops.kernels.softmax import attend_tile, finish
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, row_bytes, unit_last_stride,
                                    unscaled_do_gate)
@@ -31,7 +31,6 @@ from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # kernels work in base 2 (exp2 / log2)
-_LN2 = tl.constexpr(0.6931471805599453)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,9 +164,7 @@ def _fwd_kernel(Q, K, V, O, LSE, SEQ, POS, CMP_CU,
         m_i, l_i, acc = _fwd_step(q, k_ptr, v_ptr, skn, svn, n0, end, lo, hi, m_i, l_i, acc,
                                   qk_scale, DK, DV, DK_PAD, DV_PAD, BLOCK_N, True, PREC)
 
-    seen = l_i != 0  # a NaN row (a NaN input) keeps lse = NaN, not an empty row's -inf
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    o, lse = finish(m_i, l_i, acc)
     d = tl.arange(0, DV_PAD)
     o_offs = b * sob + tok.to(tl.int64)[:, None] * sot + hq[:, None] * soh + d[None, :]
     tl.store(O + o_offs, o.to(O.dtype.element_ty), mask=valid[:, None] & (d[None, :] < DV))

@@ -62,13 +62,12 @@ from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
 from nsa_ops.kernels.index import selection_index
-from nsa_ops.kernels.softmax import attend_tile
+from nsa_ops.kernels.softmax import attend_tile, finish
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, tma_descriptors, tma_kv_reason, traced,
                                    unit_last_stride, unscaled_do_gate, use_tma)
 
 LOG2E = tl.constexpr(math.log2(math.e))
-LN2 = tl.constexpr(math.log(2.0))
 
 # Query rows (tokens x heads of a group) per dk/dv program: large enough that the chunks of a block
 # selected by every query rarely contend on the atomics, small enough to keep the grid balanced.
@@ -755,10 +754,8 @@ def selection_fwd_rows(q, k, v, kd, vd, bidx, cu_q, cu_k, OFF, NSEQ, b, t, h,
         alpha0 = tl.where(seen0, tl.exp2(m0 - m_new), 0.0)
         m, l, acc = m_new, l * alpha + alpha0, acc * alpha[:, None] + o0 * alpha0[:, None]
 
-    seen = l != 0  # NaN rows keep lse = NaN (compressed._fwd_kernel)
-    l_safe = tl.where(seen, l, 1.0)
-    lse_row = tl.where(seen, (m + tl.log2(l_safe)) * LN2, float("-inf"))
-    return acc / l_safe[:, None], lse_row, heads, gmask
+    o_row, lse_row = finish(m, l, acc)
+    return o_row, lse_row, heads, gmask
 
 
 @triton.jit
@@ -867,10 +864,8 @@ def _shared_fwd_kernel(q, k, v, kd, vd, o, lse, listed, OFF, sq_b, sq_t, sq_h, s
                            DK, DV, DKP, DVP)
         m, l, acc = _attend(qt, kt, vt, kmask, m, l, acc, qk_scale, PREC)
 
-    seen = l != 0  # NaN rows keep lse = NaN (compressed._fwd_kernel)
-    l_safe = tl.where(seen, l, 1.0)
-    lse_row = tl.where(seen, (m + tl.log2(l_safe)) * LN2, float("-inf"))
-    _store_tile(o, b * so_b + toks * so_t + heads * so_h, rmask, acc / l_safe[:, None], DV, DVP)
+    o_row, lse_row = finish(m, l, acc)
+    _store_tile(o, b * so_b + toks * so_t + heads * so_h, rmask, o_row, DV, DVP)
     tl.store(lse + (b * T + toks) * (H * G) + heads, lse_row, mask=rmask)
 
 

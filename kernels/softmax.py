@@ -1,5 +1,5 @@
 """The online softmax's key-tile step, shared by the window, compressed and selection forward
-kernels.
+kernels, and their finish.
 
 Their key tiles leave the scores unscaled: the scale (to log2 units) goes into the tile's max
 here and into the exponent's one fused multiply-add, exp2(s * qk_scale - m), where a scaled copy
@@ -20,8 +20,12 @@ kernels' does not), its o and lse stay bitwise the same, and its time holds (H20
 interleaved rounds against the kernel before: 8k 0.257-0.258 -> 0.254-0.255 ms, 16k 0.865-0.870
 -> 0.864-0.871, 64k 9.51-9.67 -> 9.61-9.67).
 """
+import math
+
 import triton
 import triton.language as tl
+
+LN2 = tl.constexpr(math.log(2.0))  # kernels work in base 2; lse leaves in natural-log units
 
 
 @triton.jit
@@ -43,3 +47,14 @@ def attend_tile(s, v, m, l, acc, qk_scale, PREC: tl.constexpr):
     m, l, acc = running_max(m, tl.max(s, 1) * qk_scale, l, acc)
     p = tl.exp2(s * qk_scale - m[:, None])
     return m, l + tl.sum(p, 1), acc + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+
+
+@triton.jit
+def finish(m, l, acc):
+    """(o, lse) of rows whose softmax is done: o = acc / l, lse = m + log2(l) in natural-log
+    units. A row that saw no key (l = 0) gets o = 0 and lse = -inf, the empty row's mark; a NaN
+    row (a NaN input made l NaN) keeps o and lse NaN, so `l != 0`, not `l > 0`."""
+    seen = l != 0
+    l_safe = tl.where(seen, l, 1.0)
+    lse = tl.where(seen, (m + tl.log2(l_safe)) * LN2, float("-inf"))
+    return acc / l_safe[:, None], lse

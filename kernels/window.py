@@ -35,12 +35,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    pow2, row_bytes, tma_descriptors, tma_kv_reason, tma_layout,
                                    unit_last_stride, unscaled_do_gate, use_tma)
-from nsa_ops.kernels.softmax import attend_tile
+from nsa_ops.kernels.softmax import attend_tile, finish
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
 _LOG2E = math.log2(math.e)
-_LN2_C = tl.constexpr(math.log(2.0))  # constexpr: the only globals a kernel may read
 _LOG2E_C = tl.constexpr(_LOG2E)
 _OP = "sliding_window_attention"
 
@@ -182,11 +181,11 @@ def _fwd_kernel(Q, K, V, KD, VD, O, LSE, START, KEYPOS, OFF,
         k_ptrs += BLOCK_N * skt
         v_ptrs += BLOCK_N * svt
 
-    l = tl.where(ok, l, 1.0)  # every real row sees itself, so l > 0 there
-    tl.store(O + _offsets(b, tok, head, sob, sot, soh, dv),
-             (acc / l[:, None]).to(O.dtype.element_ty), mask=ok[:, None] & (dv[None, :] < DV))
+    o, lse = finish(m, l, acc)
+    tl.store(O + _offsets(b, tok, head, sob, sot, soh, dv), o.to(O.dtype.element_ty),
+             mask=ok[:, None] & (dv[None, :] < DV))
     row = (b.to(tl.int64) * T + tok) * (H * G) + head
-    tl.store(LSE + row, (m + tl.log2(l)) * _LN2_C, mask=ok)
+    tl.store(LSE + row, lse, mask=ok)
 
 
 @triton.jit
