@@ -22,8 +22,11 @@ divisible by 16 marked divisible, integers equal to 1 made constants): without i
 pipelines fewer loads and reports less shared memory than the GPU asks (the compressed dq at
 D = 256, (128, 64) tiles, 2 stages: 192 KB here unspecialized, 256 KB on an H100 and here
 specialized). Prints one line per kernel: `compiled NAME OPTIONS smem BYTES`, and with SM90_SASS=1
-after it `sass NAME narrow COUNT`: its 2-byte global loads and stores (`narrow_accesses`).
+after it `sass NAME narrow COUNT instructions COUNT sha HASH`: its 2-byte global loads and stores
+(`narrow_accesses`), its SASS instructions and a hash of its SASS text (a refactor that claims
+the same machine code shows it).
 """
+import hashlib
 import os
 import re
 import sys
@@ -79,15 +82,17 @@ class CompileForSm90:
         print("compiled", self.kernel.__name__, options, "smem", compiled.metadata.shared,
               flush=True)
         if os.environ.get("SM90_SASS") == "1":
-            print("sass", self.kernel.__name__, "narrow", narrow_accesses(compiled.asm["cubin"]),
-                  flush=True)
+            sass = get_sass(compiled.asm["cubin"])
+            print("sass", self.kernel.__name__, "narrow", narrow_accesses(sass), "instructions",
+                  len(re.findall(r"^[^\t\n]+\t(?!NOP)", sass, flags=re.M)),
+                  "sha", hashlib.sha256(sass.encode()).hexdigest()[:16], flush=True)
 
 
-def narrow_accesses(cubin: bytes) -> int:
+def narrow_accesses(sass: str) -> int:
     """2-byte global loads and stores in a kernel's SASS (Triton's cuobjdump of its cubin): a
     16-bit tile moved an element at a time, where a mask varying along its contiguous dimension
     keeps Triton from vectorizing (kernels/selection.py's dq from dS did, 16 a tile)."""
-    return len(re.findall(r"\b(?:LDG|STG)\.E\.(?:U16|S16|16)\b", get_sass(cubin)))
+    return len(re.findall(r"\b(?:LDG|STG)\.E\.(?:U16|S16|16)\b", sass))
 
 
 def select(l, d, sel, n, T, HQ, H, D):
