@@ -1,13 +1,14 @@
 """Queries at an offset (Tq <= Tk, bottom-right aligned): every branch over the last Tq queries of a
 sequence equals the same rows of the full-length computation, fixed length and varlen."""
 import dataclasses
+import random
 
 import pytest
 import torch
 
 import nsa_ops
 from nsa_ops import reference as R
-from helpers import SMALL, TOL, cu_seqlens, qkv
+from helpers import SMALL, TOL, cu_seqlens, qkv, random_blocks
 
 L, D, LP, N = SMALL["block_len"], SMALL["block_stride"], SMALL["sel_block"], SMALL["num_sel"]
 
@@ -27,8 +28,8 @@ CASES = [(2, 70, 70, None, None), (2, 70, 23, None, None), (1, 53, 1, None, None
          (1, 64, 3, (31, 33), (1, 2))]
 
 
-def _inputs(B, Tk, Tq, lengths_k, lengths_q, G=2, H=2):
-    q_full, k, v = qkv(B, Tk, G * H, H, 16, 8, torch.float64, seed=Tk + Tq)
+def _inputs(B, Tk, Tq, lengths_k, lengths_q, G=2, H=2, Dk=16, Dv=8):
+    q_full, k, v = qkv(B, Tk, G * H, H, Dk, Dv, torch.float64, seed=Tk + Tq)
     if lengths_k is None:
         rows, cu_k, cu_q = torch.arange(Tk - Tq, Tk), None, None
     else:
@@ -209,6 +210,83 @@ def test_selection_kernel_at_an_offset(B, Tk, Tq, lengths_k, lengths_q, poisoned
     torch.testing.assert_close(lse.double(), lse_ref, atol=atol, rtol=rtol)
     for got, expected in zip(grads, want):
         torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
+
+
+def _offset_draw(index: int) -> dict:
+    """A geometry (helpers.random_blocks), window, G, H, head dims and key / query lengths: fixed
+    length or varlen with empty, shorter-than-l and query-less sequences."""
+    rng = random.Random(index)
+    draw = dict(random_blocks(rng), G=rng.randint(1, 4), H=rng.randint(1, 3),
+                Dk=rng.choice((16, 32)), Dv=rng.choice((8, 16, 32)))
+    if index % 2:
+        long = [rng.randint(draw["block_len"], 100) for _ in range(2)]
+        short = [rng.choice((0, rng.randint(1, draw["block_len"]))) for _ in range(2)]
+        lengths_k = rng.sample(long + short, 4)
+        lengths_q = [rng.randint(1, lk) if lk in long else rng.choice((0, lk))
+                     for lk in lengths_k]
+        draw.update(B=1, Tk=sum(lengths_k), Tq=sum(lengths_q), lengths_k=lengths_k,
+                    lengths_q=lengths_q)
+    else:
+        Tk = rng.randint(1, 120)
+        draw.update(B=rng.randint(1, 2), Tk=Tk, Tq=rng.randint(1, Tk), lengths_k=None,
+                    lengths_q=None)
+    # inside the keys, past them, 1 (the diagonal alone), inside again
+    inside = rng.randint(2, max(2, draw["Tk"]))
+    return dict(draw, window=(inside, draw["Tk"] + rng.randint(1, 50), 1, inside)[index % 4])
+
+
+OFFSET_DRAWS = [_offset_draw(i) for i in range(4)]
+
+
+@pytest.mark.parametrize("draw", OFFSET_DRAWS, ids=lambda d: "-".join(
+    f"{k}{v}" for k, v in d.items() if k in ("block_len", "block_stride", "sel_block", "Tk",
+                                            "Tq", "G", "H")))
+def test_kernels_at_drawn_offsets(draw, poisoned_empty):
+    """Each Triton kernel family (interpreter, fp32: the compressed, selection and window
+    forwards and backwards, select_blocks) with queries at an offset at drawn geometry, against
+    the float64 reference's full-length call at the same rows (forward) and the reference at
+    the offset (gradients)."""
+    from nsa_ops.kernels import compressed as C, selection as S, window as W
+    l, d, lp, n = (draw[key] for key in ("block_len", "block_stride", "sel_block", "num_sel"))
+    q_full, q, k, v, rows, cu_k, cu_q = _inputs(draw["B"], draw["Tk"], draw["Tq"],
+                                                draw["lengths_k"], draw["lengths_q"],
+                                                G=draw["G"], H=draw["H"], Dk=draw["Dk"],
+                                                Dv=draw["Dv"])
+    off = dict(cu_seqlens_k=cu_k) if cu_k is not None else {}
+    cmp_off = off or dict(seqlen_k=draw["Tk"])
+    k_cmp, v_cmp = R.compress_mean(k, l, d, cu_k), R.compress_mean(v, l, d, cu_k)
+    _, lse_cmp = R.compressed_attention(q_full, k_cmp, v_cmp, l, d, 0.3, cu_k)
+    idx_full = R.select_blocks(q_full, k_cmp, lse_cmp, l, d, lp, n, 0.3, cu_k)
+    idx = C.select_blocks(q.float(), k_cmp.float(), lse_cmp[:, rows].float(), l, d, lp, n, 0.3,
+                          cu_q, **cmp_off)
+    assert torch.equal(idx, idx_full[:, rows]), "select_blocks"
+    families = {  # (kernel forward, kernel backward, reference forward, its backward, args, keys)
+        "compressed": (C.compressed_attention_fwd, C.compressed_attention_bwd,
+                       R.compressed_attention, R.compressed_attention_backward, (l, d, 0.3),
+                       cmp_off, (k_cmp, v_cmp)),
+        "selection": (S.selection_attention_fwd, S.selection_attention_bwd,
+                      R.selection_attention, R.selection_attention_backward, (lp, 0.3), off,
+                      (k, v)),
+        "window": (W.sliding_window_fwd, W.sliding_window_bwd, R.sliding_window_attention,
+                   R.sliding_window_attention_backward, (draw["window"], 0.3), off, (k, v)),
+    }
+    atol, rtol = TOL[torch.float32]
+    gen = torch.Generator().manual_seed(9)
+    for name, (fwd, bwd, ref_fwd, ref_bwd, args, keys, (kk, vv)) in families.items():
+        with_idx = (idx_full,) if name == "selection" else ()
+        o_full, lse_full = ref_fwd(q_full, kk, vv, *with_idx, *args, cu_k)
+        with_idx = (idx,) if name == "selection" else ()
+        f32 = [t.float() for t in (q, kk, vv)]
+        o, lse = fwd(*f32, *with_idx, *args, cu_q, **keys)
+        torch.testing.assert_close(o.double(), o_full[:, rows], atol=atol, rtol=rtol, msg=name)
+        torch.testing.assert_close(lse.double(), lse_full[:, rows], atol=atol, rtol=rtol,
+                                   msg=name)
+        do, dlse = torch.randn(o.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+        grads = bwd(*f32, o, lse, do, dlse, *with_idx, *args, cu_q, **keys)
+        want = ref_bwd(q, kk, vv, o_full[:, rows], lse_full[:, rows], do.double(),
+                       dlse.double(), *with_idx, *args, cu_q, **keys)
+        for got, expected in zip(grads, want):
+            torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol, msg=name)
 
 
 def test_offset_ops_pass_opcheck():
