@@ -159,6 +159,7 @@ def test_kernel_selection_covers_many_blocks(splits):
     assert reads.tolist() == want_reads.tolist() == [cfg.reads(S)]
     assert_close(o, want_o, ATOL[torch.float32])
 
+
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered")
 @pytest.mark.parametrize("splits", [(5, 1, 2), None], ids=["split-K", "one-launch"])
 def test_a_nan_query_keeps_its_forced_blocks(splits):
@@ -177,7 +178,6 @@ def test_a_nan_query_keeps_its_forced_blocks(splits):
     assert block_idx[1, 0, 0].tolist() == [0, 1, 2, 3, cur - 1, cur]
     assert torch.equal(block_idx, want_idx)
     assert o.isnan().any(-1).nonzero().tolist() == [[1, 0, 1]]
-
 
 
 def _geometry_draw(index: int, gpu: bool = False) -> dict:

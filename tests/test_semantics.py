@@ -216,7 +216,7 @@ def _nan_rows_case(op: str, impl: str, poison: str, device="cpu", dtype=torch.fl
                                       for impl in ("reference", "triton")]
                          + [("selection_attention", "packed_sdpa")])
 def test_a_nan_input_makes_exactly_the_rows_that_see_it_nan(op, impl, poison):
-    """As in SDPA and FlashAttention, on every route: the reference had returned o = 0 for them
+    """As in SDPA, on every route: the reference had returned o = 0 for them
     (it took a NaN lse for an empty row) where the kernels returned NaN, and the compressed and
     selection kernels an empty row's lse = -inf."""
     o_rows, lse, want = _nan_rows_case(op, impl, poison)
@@ -250,7 +250,7 @@ def test_gpu_nan_rows_on_every_route_that_serves(op, poison):
 def test_a_nan_query_row_keeps_its_forced_blocks(impl):
     """The NaN row's scores rank as 0 (ties to the lower index) behind its forced blocks: the
     Triton keys had ranked a NaN's float bits above the forced blocks' +inf (blocks 1-5 at t =
-    127 where 0, 6 and 7 are forced), the reference had sorted NaN first."""
+    127 where 0, 6 and 7 are forced)."""
     q, k, v = qkv(1, 128, 4, 2, 16, 16, torch.float32, seed=3)
     k_cmp, v_cmp = compressed(k, v, SMALL)
     _, lse = R.compressed_attention(q, k_cmp, v_cmp, 16, 8, 0.25)
