@@ -264,12 +264,8 @@ def compressed_attention_args(q, k_cmp, v_cmp, block_len, block_stride, scale, c
                               cu_seqlens_k=None, seqlen_k=None):
     check_qkv(q, k_cmp, v_cmp, "k_cmp", "v_cmp")
     check_block_params(block_len=block_len, block_stride=block_stride)
-    check_scale(scale)
-    check_cu_seqlens(cu_seqlens, q)
-    check_cu_seqlens_k(cu_seqlens_k, cu_seqlens, q)
-    check_seqlen_k(seqlen_k, q, cu_seqlens)
-    check_cmp_rows("k_cmp", k_cmp, q, block_len, block_stride, cu_seqlens, seqlen_k,
-                   cu_seqlens_k)
+    _compressed_rows_args(q, k_cmp, block_len, block_stride, scale, cu_seqlens, cu_seqlens_k,
+                          seqlen_k)
 
 
 def select_blocks_args(q, k_cmp, lse, block_len, block_stride, sel_block, num_sel, scale,
@@ -278,6 +274,14 @@ def select_blocks_args(q, k_cmp, lse, block_len, block_stride, sel_block, num_se
     check_lse(lse, q)
     check_block_params(block_len=block_len, block_stride=block_stride, sel_block=sel_block,
                        num_sel=num_sel)
+    _compressed_rows_args(q, k_cmp, block_len, block_stride, scale, cu_seqlens, cu_seqlens_k,
+                          seqlen_k)
+
+
+def _compressed_rows_args(q, k_cmp, block_len, block_stride, scale, cu_seqlens, cu_seqlens_k,
+                          seqlen_k):
+    """What compressed attention and select_blocks check alike once their tensors and block
+    sizes hold: the scale, the query and key lengths, and k_cmp's rows for those keys."""
     check_scale(scale)
     check_cu_seqlens(cu_seqlens, q)
     check_cu_seqlens_k(cu_seqlens_k, cu_seqlens, q)
