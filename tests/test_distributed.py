@@ -1,5 +1,6 @@
-"""Context-parallel NSA (nsa_ops.distributed) on 2 and 3 gloo ranks equals single-device
-nsa_attention: outputs and the gradients of q, k, v and the gates."""
+"""Context-parallel NSA (nsa_ops.distributed) on 2 and 3 gloo ranks, and on every GPU over NCCL,
+equals single-device nsa_attention: outputs and the gradients of q, k, v and the gates. FSDP2
+over compiled NSAAttention blocks equals the unsharded model, on gloo and on NCCL."""
 import os
 import socket
 
@@ -12,8 +13,11 @@ import nsa_ops
 from nsa_ops import distributed as cp
 from helpers import SMALL, TOL, gates, qkv
 
-GEO = dict(SMALL, window=20)
-T = 96  # divisible by 2 * world for world 2 and 3
+# name: (B, T, HQ, H, Dk, Dv, geometry); T divisible by 2 * world for world 2, 3 (and 4, 8)
+CASES = {"small": (2, 96, 4, 2, 16, 8, dict(SMALL, window=20)),
+         # the spec's block geometry (nsa_attention's defaults): on CUDA the Triton kernels at
+         # an offset serve the ranks' chunks, the full-length call's routes the whole sequence
+         "spec": (1, 2048, 16, 2, 64, 64, {})}
 
 
 def _free_port() -> int:
@@ -22,27 +26,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _check(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+def _join(rank: int, world: int, port: int, backend: str) -> str:
+    """Joins the group; the rank's device: cuda:rank over NCCL, the CPU over gloo."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dev = "cpu"
     if backend == "nccl":
         dev = f"cuda:{rank}"
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    return dev
+
+
+def _check(rank: int, world: int, port: int, backend: str = "gloo",
+           dtype: torch.dtype = torch.float64, case: str = "small") -> None:
+    dev = _join(rank, world, port, backend)
     try:
-        torch.set_num_threads(1)
-        q, k, v = (x.to(dev).requires_grad_() for x in qkv(2, T, 4, 2, 16, 8, torch.float64, seed=5))
-        g = [x.to(dev).requires_grad_() for x in gates(2, T, 4, torch.float64)]
-        do = torch.randn(2, T, 4, 8, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(6)).to(dev)
-        full = nsa_ops.nsa_attention(q, k, v, *g, **GEO)
+        B, T, HQ, H, Dk, Dv, geo = CASES[case]
+        q, k, v = (x.to(dev).requires_grad_() for x in qkv(B, T, HQ, H, Dk, Dv, dtype, seed=5))
+        g = [x.to(dev).requires_grad_() for x in gates(B, T, HQ, dtype)]
+        do = torch.randn(B, T, HQ, Dv, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(6)).to(dev, dtype)
+        full = nsa_ops.nsa_attention(q, k, v, *g, **geo)
         (full * do).sum().backward()
         want = [x.grad.clone() for x in (q, k, v, *g)]
 
         local = [cp.shard(x.detach(), None).requires_grad_() for x in (q, k, v, *g)]
-        out = cp.context_parallel_nsa_attention(*local, **GEO)
+        out = cp.context_parallel_nsa_attention(*local, **geo)
         (out * cp.shard(do)).sum().backward()
-        atol, rtol = TOL[torch.float64]
+        atol, rtol = TOL[dtype]
         torch.testing.assert_close(out, cp.shard(full.detach()), atol=atol, rtol=rtol)
         for got, expected in zip(local, want):
             torch.testing.assert_close(got.grad, cp.shard(expected), atol=atol, rtol=rtol)
@@ -69,32 +81,30 @@ class Block(torch.nn.Module):
         return x + self.attn(self.norm(x))
 
 
-def _fsdp2(rank: int, world: int, port: int) -> None:
+def _fsdp2(rank: int, world: int, port: int, backend: str = "gloo") -> None:
     """Two NSAAttention blocks, each and the whole sharded with fully_shard, compiled: the
     gradients of a data-parallel step equal the unsharded model's on the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dev = _join(rank, world, port, backend)
     try:
-        torch.set_num_threads(1)
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(torch.device(dev).type, (world,))
         models = []
         for _ in range(2):
             torch.manual_seed(0)
-            models.append(torch.nn.Sequential(Block(), Block()))
+            models.append(torch.nn.Sequential(Block(), Block()).to(dev))
         ref, sharded = models
         for block in sharded:
             fully_shard(block, mesh=mesh)
         fully_shard(sharded, mesh=mesh)
         x = torch.randn(2 * world, 40, LAYER["hidden_size"],
-                        generator=torch.Generator().manual_seed(1))
+                        generator=torch.Generator().manual_seed(1)).to(dev)
         mine = x[2 * rank:2 * rank + 2]
         loss = torch.compile(sharded)(mine).square().mean()
         loss.backward()
         ref_loss = ref(x).square().mean()
         ref_loss.backward()
-        losses = [torch.zeros(()) for _ in range(world)]
+        losses = [torch.zeros((), device=dev) for _ in range(world)]
         dist.all_gather(losses, loss.detach())
         torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach())
         for (name, p), (_, p_ref) in zip(sharded.named_parameters(), ref.named_parameters()):
@@ -108,12 +118,25 @@ def test_fsdp2_compiled_nsa_blocks_equal_unsharded():
     mp.spawn(_fsdp2, args=(2, _free_port()), nprocs=2, join=True)
 
 
-@pytest.mark.gpu
-def test_context_parallel_nccl():
+def _gpu_world() -> int:
     world = torch.cuda.device_count()
     if world < 2:
         pytest.skip("needs two or more GPUs")
-    mp.spawn(_check, args=(world, _free_port(), "nccl"), nprocs=world, join=True)
+    return world
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, case", [(torch.float64, "small"), (torch.float32, "spec"),
+                                         (torch.bfloat16, "spec")])
+def test_context_parallel_nccl(dtype, case):
+    world = _gpu_world()
+    mp.spawn(_check, args=(world, _free_port(), "nccl", dtype, case), nprocs=world, join=True)
+
+
+@pytest.mark.gpu
+def test_fsdp2_compiled_nsa_blocks_equal_unsharded_nccl():
+    world = _gpu_world()
+    mp.spawn(_fsdp2, args=(world, _free_port(), "nccl"), nprocs=world, join=True)
 
 
 def test_shard_needs_a_divisible_length():
