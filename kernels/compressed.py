@@ -23,14 +23,11 @@ from torch import Tensor
 
 from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
-from nsa_ops.kernels.softmax import attend_tile, finish
+from nsa_ops.kernels.softmax import LOG2E, attend_tile, finish
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, row_bytes, unit_last_stride,
                                    unscaled_do_gate)
 from nsa_ops.reference import cmp_layout, key_span, num_cmp, query_layout
-
-LOG2E = 1.4426950408889634
-_LOG2E = tl.constexpr(LOG2E)  # kernels work in base 2 (exp2 / log2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,7 +207,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, SEQ, POS, CMP_CU,
     do = _load_rows(DO + b * sdb, tok, hq, sdt, sdh, DV, DV_PAD, valid)
     lse = _row_stats(LSE + b * T * HQ, tok, hq, HQ, valid)
     # rows that see nothing have lse = -inf; their p is masked, keep the exponent finite
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
     delta = _row_stats(DELTA + b * T * HQ, tok, hq, HQ, valid)
     lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
     k_ptr = K + b * skb + kvh * skh
@@ -262,7 +259,7 @@ def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, GATE, sqt, sqh, sdt, sdh,
     q = _load_rows(Q, tok, hq, sqt, sqh, DK, DK_PAD, valid)
     do = _load_rows(DO, tok, hq, sdt, sdh, DV, DV_PAD, valid)
     lse = _row_stats(LSE, tok, hq, HQ, valid)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
     delta = _row_stats(DELTA, tok, hq, HQ, valid)
     # transposed scores [keys, rows]: dv and dk come out of the dots directly. Unmasked tiles
     # skip the row mask: padded head rows load q = dO = lse = delta = 0 and add exactly nothing.
@@ -628,7 +625,7 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
     q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
     lse = _row_stats(LSE + b * T * HQ, tok, hq, HQ, valid)
     # +inf on padding rows (heads past G, tokens past T): _score_tile gives them p = 0 unmasked
-    lse2 = tl.where(valid, tl.where(lse == float("-inf"), 0.0, lse) * _LOG2E, float("inf"))
+    lse2 = tl.where(valid, tl.where(lse == float("-inf"), 0.0, lse) * LOG2E, float("inf"))
     k_ptr = K + b * skb + kvh * skh
     t = t0 + tl.arange(0, TOK)
     seq_t, pos = _token_pos(t, T, SEQ, POS, VARLEN)
@@ -922,7 +919,7 @@ def compressed_attention_fwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, block_len:
     launch(_fwd_kernel)[(cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, o, lse, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(o, 0, 1, 2),
-        T, NC, H, G, HQ, scale * LOG2E,
+        T, NC, H, G, HQ, scale * LOG2E.value,
         L=block_len, STRIDE=block_stride, DK=DK, DV=DV, DK_PAD=_pad(DK), DV_PAD=_pad(DV),
         TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, VARLEN=lay.varlen,
         PREC=dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -962,7 +959,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
     launch(_dq_kernel)[(cdiv(T, cfg.tok), B * H)](
         q, k_cmp, v_cmp, do, lse, delta, gate_arg, dq, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
-        *_s(dq, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
+        *_s(dq, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E.value,
         TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, HAS_GATE=gate is not None, **common)
     if NC > 0:
@@ -981,7 +978,7 @@ def compressed_attention_bwd(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor,
             q, k_cmp, v_cmp, do, lse, delta, gate_arg, dk_acc, dv_acc, lay.seq, lay.pos,
             lay.cmp_cu, lay.key_seq, lay.key_idx, lay.cu, lay.view_start, sync,
             *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(v_cmp, 0, 1, 2), *_s(do, 0, 1, 2),
-            *_s(dk_acc, 0, 1, 2), *_s(dv_acc, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E,
+            *_s(dk_acc, 0, 1, 2), *_s(dv_acc, 0, 1, 2), T, NC, H, G, HQ, scale, scale * LOG2E.value,
             key_tiles, TOK=cfg.tok, G_PAD=cfg.g_pad, BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, NSPLIT=nsplit,
             ORDERED=ordered_adds, HAS_GATE=gate is not None, **common)
@@ -1043,7 +1040,7 @@ def select_blocks(q: Tensor, k_cmp: Tensor, lse: Tensor, block_len: int, block_s
     launch(_select_kernel)[(cdiv(T, tok), B * H)](
         q, k_cmp, lse, out, lay.seq, lay.pos, lay.cmp_cu,
         *_s(q, 0, 1, 2), *_s(k_cmp, 0, 1, 2), *_s(out, 0, 1, 2),
-        T, NC, H, G, HQ, scale * LOG2E,
+        T, NC, H, G, HQ, scale * LOG2E.value,
         L=block_len, STRIDE=block_stride, SEL=sel_block, NSEL=num_sel,
         NSEL_PAD=pow2(num_sel), DK=DK, DK_PAD=_pad(DK), TOK=tok, G_PAD=g_pad,
         SB=sb, MERGE=merge, VARLEN=lay.varlen, PREC=dot_precision(q.dtype),

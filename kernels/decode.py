@@ -45,7 +45,6 @@ both this check and the routing table.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -54,11 +53,10 @@ import triton.language as tl
 from torch import Tensor
 
 from nsa_ops.kernels.compressed import key_block, top_n_keys
+from nsa_ops.kernels.softmax import LOG2E
 from nsa_ops.kernels.utils import cdiv, dot_precision, pow2, row_bytes
 from nsa_ops.reference import num_cmp
 from nsa_ops.routing import DecodeGeometry, decode_geometry_refusal
-
-_LOG2E = math.log2(math.e)
 
 # fp32 elements of the [heads, blocks] LP tile loaded at once by the select kernel
 _LP_TILE = 8192
@@ -621,7 +619,7 @@ def nsa_decode(q: Tensor, k: Tensor, v: Tensor, k_cmp: Tensor, v_cmp: Tensor, le
     bs = min(64, sel_block & -sel_block)  # largest power of two dividing l', at most 64
     selection = dict(NSEL=num_sel, NSEL_PAD=pow2(num_sel), NBLK_PAD=nblk_pad, BS=bs,
                      BS_PAD=max(16, bs), GH=min(pow2(G), max(1, _LP_TILE // nblk_pad)))
-    qk_scale = scale * _LOG2E
+    qk_scale = scale * LOG2E.value
     strides = (q.stride(0), q.stride(2), *k.stride()[:3], *v.stride()[:3])
     cmp_strides = (*k_cmp.stride()[:3], *v_cmp.stride()[:3])
     gate_strides = (g_cmp.stride(0), g_cmp.stride(2), g_slc.stride(0), g_slc.stride(2),

@@ -50,7 +50,6 @@ before dK dV: the eager layer starts it early, `backward_index`).
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -62,12 +61,10 @@ from nsa_ops.kernels import ordered
 from nsa_ops.kernels.delta import row_delta
 from nsa_ops.kernels.gate import gated_rows, gated_rows_args
 from nsa_ops.kernels.index import selection_index
-from nsa_ops.kernels.softmax import attend_tile, finish
+from nsa_ops.kernels.softmax import LOG2E, attend_tile, finish
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    launch_options, pow2, tma_descriptors, tma_kv_reason, traced,
                                    unit_last_stride, unscaled_do_gate, use_tma)
-
-LOG2E = tl.constexpr(math.log2(math.e))
 
 # Query rows (tokens x heads of a group) per dk/dv program: large enough that the chunks of a block
 # selected by every query rarely contend on the atomics, small enough to keep the grid balanced.
@@ -1466,7 +1463,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, block_idx: Tensor, sel_block: int,
     constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.dtype, tma)
     group = _shared_pass(shared, _shared_reason(queries.varlen, HQ // H, constants["BN"], tma),
                          HQ // H, constants["BN"], q.dtype)
-    qk_scale = scale * math.log2(math.e)
+    qk_scale = scale * LOG2E.value
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(o))
     kv = tma_descriptors(k, v, constants["BN"], constants["DKP"], constants["DVP"]) if tma \
         else (k, v)
@@ -1703,7 +1700,7 @@ def _bwd_window(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Ten
     constants = dict(H=H, G=G, DK=Dk, DV=Dv, DKP=dkp, DVP=dvp, SEL=sel_block, BN=bn, NP=pow2(n),
                      HAS_DLSE=dlse is not None, PREC=prec, HAS_GATE=gate is not None)
     gate_arg = delta if gate is None else gate  # unread without a gate
-    qk_scale = scale * math.log2(math.e)
+    qk_scale = scale * LOG2E.value
     rows = bidx
     skip_passed = bool(group) and stored  # the plan marks the slots dq's shared pass takes
     if group:

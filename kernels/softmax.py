@@ -25,7 +25,10 @@ import math
 import triton
 import triton.language as tl
 
-LN2 = tl.constexpr(math.log(2.0))  # kernels work in base 2; lse leaves in natural-log units
+# kernels work in base 2 (exp2 / log2): a scale enters as scale * LOG2E.value (launch arguments
+# are plain floats, kernel globals constexprs), lse leaves in natural-log units through LN2
+LOG2E = tl.constexpr(math.log2(math.e))
+LN2 = tl.constexpr(math.log(2.0))
 
 
 @triton.jit

@@ -35,12 +35,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from nsa_ops.kernels.utils import (cdiv, cuda_core_dots, dot_precision, given_delta, launch,
                                    pow2, row_bytes, tma_descriptors, tma_kv_reason, tma_layout,
                                    unit_last_stride, unscaled_do_gate, use_tma)
-from nsa_ops.kernels.softmax import attend_tile, finish
+from nsa_ops.kernels.softmax import LOG2E, attend_tile, finish
 from nsa_ops.reference import query_keys
 from nsa_ops.routing import Inputs
 
-_LOG2E = math.log2(math.e)
-_LOG2E_C = tl.constexpr(_LOG2E)
 _OP = "sliding_window_attention"
 
 
@@ -260,7 +258,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, QD, DOD, LSE, DELTA, GATE, START, KEYPOS, ROWS
                          + dv_r[None, :],
                          mask=ok[:, None] & (dv_r[None, :] < DV), other=0.0)
         row = row_base + tok.to(tl.int64) * (H * G) + head
-        lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
+        lse = tl.load(LSE + row, mask=ok, other=0.0) * LOG2E
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
 
         # the band mask only where a row is padding or does not see the whole key tile
@@ -329,7 +327,7 @@ def _bwd_dq_kernel(Q, K, V, KD, VD, O, DO, LSE, DLSE, DELTA, GATE, START, KEYPOS
     do_mask = ok[:, None] & (dv_r[None, :] < DV)
     do = tl.load(DO + _offsets(b, tok, head, sdob, sdot, sdoh, dv_r), mask=do_mask, other=0.0)
     row = (b.to(tl.int64) * T + tok) * (H * G) + head
-    lse = tl.load(LSE + row, mask=ok, other=0.0) * _LOG2E_C
+    lse = tl.load(LSE + row, mask=ok, other=0.0) * LOG2E
     if DELTA_GIVEN:
         delta = tl.load(DELTA + row, mask=ok, other=0.0)
     else:
@@ -625,8 +623,8 @@ def _triton_fwd(q, k, v, window, scale, cu_seqlens, cu_seqlens_k=None, tma=None)
     # sym_min: a dynamic-length trace (AOTInductor) keeps the clamp symbolic, no guard on Tk
     launch(_fwd_kernel)[grid](q, k, v, *kv, o, lse, starts, keypos, Tk - T,
                               *_strides(q, k, v, o), T, Tk, H, HQ // H,
-                              torch.sym_min(window, Tk), scale * _LOG2E, VARLEN=varlen, TMA=tma,
-                              **meta)
+                              torch.sym_min(window, Tk), scale * LOG2E.value, VARLEN=varlen,
+                              TMA=tma, **meta)
     return o, lse
 
 
@@ -659,14 +657,14 @@ def _triton_bwd(q, k, v, o, lse, do, dlse, window, scale, cu_seqlens, cu_seqlens
     meta, kv, dq_tma = _operands("dq", tma, q, k, v)
     launch(_bwd_dq_kernel)[(cdiv(T * G, meta["BLOCK_M"]), B * H)](
         q, k, v, *kv, o, do, lse, dlse_arg, delta, gate, starts, keypos, dq,
-        *_strides(q, k, v, o, do, dq), T, Tk, H, G, w, Tk - T, scale * _LOG2E, scale,
+        *_strides(q, k, v, o, do, dq), T, Tk, H, G, w, Tk - T, scale * LOG2E.value, scale,
         HAS_DLSE=dlse is not None, VARLEN=varlen, TMA=dq_tma, HAS_GATE=do_gate is not None,
         DELTA_GIVEN=given is not None, **meta)
     meta, rows, dkdv_tma = _operands("dkdv", tma, q, k, v, do)
     spans = _row_spans(keypos, Tk, w, meta["BLOCK_N"]) if varlen else delta
     launch(_bwd_dkdv_kernel)[(cdiv(Tk, meta["BLOCK_N"]), B * H)](
         q, k, v, do, *rows, lse, delta, gate, starts, keypos, spans, Tk - T, dk, dv,
-        *_strides(q, k, v, do, dk, dv), T, Tk, H, G, w, scale * _LOG2E, scale,
+        *_strides(q, k, v, do, dk, dv), T, Tk, H, G, w, scale * LOG2E.value, scale,
         VARLEN=varlen, TMA=dkdv_tma, HAS_GATE=do_gate is not None, **meta)
     return dq, dk, dv
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import warnings
 from types import SimpleNamespace
 from typing import Optional
@@ -37,7 +36,6 @@ import torch
 from nsa_ops import routing
 
 _OP = "selection_attention"
-_LOG2E = math.log2(math.e)
 
 # The template's source in three variants (Inductor templates take a fixed list of input
 # buffers): fixed length, where queries sit OFF = Tk - Tq keys in; packed sequences with one
@@ -263,6 +261,7 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
     choices: list = []
     if impl == "triton":
         from nsa_ops.kernels.selection import PER_TOKEN_CONFIGS, forward_constants
+        from nsa_ops.kernels.softmax import LOG2E
         template = api.templates[("fixed", "varlen", "varlen_k")[len(cus)]]
         constants = forward_constants(HQ, H, Dk, Dv, n, sel_block, q.get_dtype())
         constants["PREC"] = repr(constants["PREC"])  # rendered into the source as a literal
@@ -270,7 +269,7 @@ def lower_selection_attention(q, k, v, block_idx, sel_block, scale, cu_seqlens=N
             template.maybe_append_choice(
                 choices, input_nodes=inputs, layout=layout, mutated_inputs=[lse],
                 call_sizes=[B, T, HQ, Dk], num_stages=num_stages, num_warps=num_warps,
-                NSLOTS=n, QK_SCALE=scale * _LOG2E, IS_VARLEN=bool(cus), **constants)
+                NSLOTS=n, QK_SCALE=scale * LOG2E.value, IS_VARLEN=bool(cus), **constants)
     # the extern choices take one fixed length (queries at an offset included); packed batches
     # reach packed SDPA through the opaque op, which routes at run time. An AOTInductor package
     # has no Python to call them.
