@@ -132,86 +132,6 @@ def test_offset_routing():
     assert "offset" in dict(routing.explain("compressed_attention", x))["cudnn"]
 
 
-@pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
-def test_compressed_kernels_at_an_offset(B, Tk, Tq, lengths_k, lengths_q, poisoned_empty):
-    """The Triton compressed-attention and select_blocks kernels (interpreter, fp32) with queries
-    at an offset, against the reference; k_cmp in the padded layout phi returns."""
-    from nsa_ops.kernels import compressed as C
-    _, q, k, v, _, cu_k, cu_q = _inputs(B, Tk, Tq, lengths_k, lengths_q)
-    q, k, v = q.float(), k.float(), v.float()
-    k_cmp, v_cmp = R.compress_mean(k, L, D, cu_k), R.compress_mean(v, L, D, cu_k)
-    off = dict(cu_seqlens_k=cu_k) if cu_k is not None else dict(seqlen_k=Tk)
-    o, lse = C.compressed_attention_fwd(q, k_cmp, v_cmp, L, D, 0.3, cu_q, **off)
-    o_ref, lse_ref = R.compressed_attention(q.double(), k_cmp.double(), v_cmp.double(), L, D, 0.3,
-                                            cu_q, **off)
-    gen = torch.Generator().manual_seed(9)
-    do, dlse = torch.randn(o.shape, generator=gen), torch.randn(lse.shape, generator=gen)
-    grads = C.compressed_attention_bwd(q, k_cmp, v_cmp, o, lse, do, dlse, L, D, 0.3, cu_q, **off)
-    want = R.compressed_attention_backward(q.double(), k_cmp.double(), v_cmp.double(), o_ref,
-                                           lse_ref, do.double(), dlse.double(), L, D, 0.3, cu_q,
-                                           **off)
-    atol, rtol = TOL[torch.float32]
-    seen = torch.isfinite(lse_ref)
-    assert torch.equal(torch.isfinite(lse), seen)
-    torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=rtol)
-    torch.testing.assert_close(lse.double()[seen], lse_ref[seen], atol=atol, rtol=rtol)
-    for got, expected in zip(grads, want):
-        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
-    idx = C.select_blocks(q, k_cmp, lse, L, D, LP, N, 0.3, cu_q, **off)
-    assert torch.equal(idx, R.select_blocks(q.double(), k_cmp.double(), lse.double(), L, D, LP, N,
-                                            0.3, cu_q, **off))
-
-
-@pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
-def test_window_kernel_at_an_offset(B, Tk, Tq, lengths_k, lengths_q, poisoned_empty):
-    """The Triton sliding-window kernels (interpreter, fp32) with queries at an offset."""
-    from nsa_ops.kernels import window as W
-    _, q, k, v, _, cu_k, cu_q = _inputs(B, Tk, Tq, lengths_k, lengths_q)
-    q, k, v = q.float(), k.float(), v.float()
-    off = dict(cu_seqlens_k=cu_k) if cu_k is not None else {}
-    o, lse = W.sliding_window_fwd(q, k, v, 20, 0.3, cu_q, backend="triton", **off)
-    o_ref, lse_ref = R.sliding_window_attention(q.double(), k.double(), v.double(), 20, 0.3, cu_q,
-                                                **off)
-    gen = torch.Generator().manual_seed(9)
-    do, dlse = torch.randn(o.shape, generator=gen), torch.randn(lse.shape, generator=gen)
-    grads = W.sliding_window_bwd(q, k, v, o, lse, do, dlse, 20, 0.3, cu_q, backend="triton", **off)
-    want = R.sliding_window_attention_backward(q.double(), k.double(), v.double(), o_ref, lse_ref,
-                                               do.double(), dlse.double(), 20, 0.3, cu_q, **off)
-    atol, rtol = TOL[torch.float32]
-    torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=rtol)
-    torch.testing.assert_close(lse.double(), lse_ref, atol=atol, rtol=rtol)
-    for got, expected in zip(grads, want):
-        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
-
-
-@pytest.mark.parametrize("B,Tk,Tq,lengths_k,lengths_q", CASES)
-def test_selection_kernel_at_an_offset(B, Tk, Tq, lengths_k, lengths_q, poisoned_empty):
-    """The Triton selection kernels (interpreter, fp32) with queries at an offset, forward and
-    backward, against the reference; block_idx as NSA selects it, rows as sets."""
-    from nsa_ops.kernels import selection as S
-    q_full, q, k, v, rows, cu_k, cu_q = _inputs(B, Tk, Tq, lengths_k, lengths_q)
-    q, k, v = q.float(), k.float(), v.float()
-    full_cu = cu_k
-    k_cmp = R.compress_mean(k, L, D, full_cu)
-    _, lse_full = R.compressed_attention(q_full.float(), k_cmp, k_cmp, L, D, 0.3, full_cu)
-    idx = R.select_blocks(q_full.float(), k_cmp, lse_full, L, D, LP, N, 0.3, full_cu)[:, rows]
-    idx = torch.cat([idx.flip(-1), idx[..., :1]], -1)  # -1 first, a repeated block
-    off = dict(cu_seqlens_k=cu_k) if cu_k is not None else {}
-    o, lse = S.selection_attention_fwd(q, k, v, idx, LP, 0.3, cu_q, **off)
-    o_ref, lse_ref = R.selection_attention(q.double(), k.double(), v.double(), idx, LP, 0.3, cu_q,
-                                           **off)
-    gen = torch.Generator().manual_seed(9)
-    do, dlse = torch.randn(o.shape, generator=gen), torch.randn(lse.shape, generator=gen)
-    grads = S.selection_attention_bwd(q, k, v, o, lse, do, dlse, idx, LP, 0.3, cu_q, **off)
-    want = R.selection_attention_backward(q.double(), k.double(), v.double(), o_ref, lse_ref,
-                                          do.double(), dlse.double(), idx, LP, 0.3, cu_q, **off)
-    atol, rtol = TOL[torch.float32]
-    torch.testing.assert_close(o.double(), o_ref, atol=atol, rtol=rtol)
-    torch.testing.assert_close(lse.double(), lse_ref, atol=atol, rtol=rtol)
-    for got, expected in zip(grads, want):
-        torch.testing.assert_close(got.double(), expected, atol=atol, rtol=rtol)
-
-
 def _offset_draw(index: int) -> dict:
     """A geometry (helpers.random_blocks), window, G, H, head dims and key / query lengths: fixed
     length or varlen with empty, shorter-than-l and query-less sequences."""
@@ -235,17 +155,27 @@ def _offset_draw(index: int) -> dict:
     return dict(draw, window=(inside, draw["Tk"] + rng.randint(1, 50), 1, inside)[index % 4])
 
 
-OFFSET_DRAWS = [_offset_draw(i) for i in range(4)]
+def _as_sets(idx):
+    """Block rows in another form of the same sets: -1 first, the first block named twice."""
+    return torch.cat([idx.flip(-1), idx[..., :1]], -1)
+
+
+# CASES at SMALL's geometry, then drawn geometry
+OFFSET_DRAWS = [dict(SMALL, G=2, H=2, Dk=16, Dv=8, window=20, B=B, Tk=Tk, Tq=Tq,
+                     lengths_k=lengths_k, lengths_q=lengths_q)
+                for B, Tk, Tq, lengths_k, lengths_q in CASES] + \
+    [_offset_draw(i) for i in range(4)]
 
 
 @pytest.mark.parametrize("draw", OFFSET_DRAWS, ids=lambda d: "-".join(
-    f"{k}{v}" for k, v in d.items() if k in ("block_len", "block_stride", "sel_block", "Tk",
-                                            "Tq", "G", "H")))
-def test_kernels_at_drawn_offsets(draw, poisoned_empty):
+    f"{k}{v}" for k, v in d.items() if k in ("block_len", "block_stride", "sel_block", "B",
+                                            "Tk", "Tq", "G", "H")))
+def test_kernels_at_an_offset(draw, poisoned_empty):
     """Each Triton kernel family (interpreter, fp32: the compressed, selection and window
-    forwards and backwards, select_blocks) with queries at an offset at drawn geometry, against
-    the float64 reference's full-length call at the same rows (forward) and the reference at
-    the offset (gradients)."""
+    forwards and backwards, select_blocks) with queries at an offset, against the float64
+    reference's full-length call at the same rows (forward) and the reference at the offset
+    (gradients). k_cmp in the padded layout phi returns; the selection reads its block rows as
+    sets, given with -1 first and a block named twice."""
     from nsa_ops.kernels import compressed as C, selection as S, window as W
     l, d, lp, n = (draw[key] for key in ("block_len", "block_stride", "sel_block", "num_sel"))
     q_full, q, k, v, rows, cu_k, cu_q = _inputs(draw["B"], draw["Tk"], draw["Tq"],
@@ -273,9 +203,9 @@ def test_kernels_at_drawn_offsets(draw, poisoned_empty):
     atol, rtol = TOL[torch.float32]
     gen = torch.Generator().manual_seed(9)
     for name, (fwd, bwd, ref_fwd, ref_bwd, args, keys, (kk, vv)) in families.items():
-        with_idx = (idx_full,) if name == "selection" else ()
+        with_idx = (_as_sets(idx_full),) if name == "selection" else ()
         o_full, lse_full = ref_fwd(q_full, kk, vv, *with_idx, *args, cu_k)
-        with_idx = (idx,) if name == "selection" else ()
+        with_idx = (_as_sets(idx),) if name == "selection" else ()
         f32 = [t.float() for t in (q, kk, vv)]
         o, lse = fwd(*f32, *with_idx, *args, cu_q, **keys)
         torch.testing.assert_close(o.double(), o_full[:, rows], atol=atol, rtol=rtol, msg=name)
