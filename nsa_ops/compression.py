@@ -9,8 +9,24 @@ from torch import Tensor, nn
 from . import reference
 
 
+class ZeroLinear(nn.Linear):
+    """An nn.Linear that starts at zero, and returns to zero on `reset_parameters`: NSA's last
+    layers that start a module at a known function (the gate at act(0), phi at mean pooling).
+    As a module of its own, it keeps that when a model built on the meta device is materialised
+    with `to_empty` and every module's `reset_parameters` (FSDP's meta-device initialisation).
+    It draws nn.Linear's initialisation first, so a seed gives the other layers the weights it
+    gave them when this layer was a zeroed nn.Linear."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        nn.init.zeros_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
 class PhiMLP(nn.Module):
-    """phi(x_blk) = mean(x_blk + pe) + MLP(flatten(x_blk + pe)); equals mean pooling at init."""
+    """phi(x_blk) = mean(x_blk + pe) + MLP(flatten(x_blk + pe)); equals mean pooling at init and
+    after `reset_parameters`."""
 
     def __init__(self, block_len: int, head_dim: int, hidden: Optional[int] = None):
         super().__init__()
@@ -18,10 +34,12 @@ class PhiMLP(nn.Module):
         self.block_len = block_len
         self.pos_emb = nn.Parameter(torch.zeros(block_len, head_dim))
         self.fc1 = nn.Linear(block_len * head_dim, hidden)
-        self.fc2 = nn.Linear(hidden, head_dim)
         # zero output layer (and zero pe): the module starts as exact mean pooling
-        nn.init.zeros_(self.fc2.weight)
-        nn.init.zeros_(self.fc2.bias)
+        self.fc2 = ZeroLinear(hidden, head_dim)
+
+    def reset_parameters(self) -> None:
+        """pos_emb back to zero (fc1 and fc2 reset themselves)."""
+        nn.init.zeros_(self.pos_emb)
 
     def forward(self, x: Tensor, block_len: int, block_stride: int,
                 cu_seqlens: Optional[Tensor] = None) -> Tensor:

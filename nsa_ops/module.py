@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from . import distributed, reference, routing
 from .cache import NSACache
-from .compression import PhiMLP
+from .compression import PhiMLP, ZeroLinear
 from .config import BRANCHES, NSAConfig
 from .decode import decode_attention
 from .functional import nsa_attention
@@ -74,7 +74,9 @@ class NSAAttention(AttentionProjections):
     reads x and yields one gate per query head and branch; its last layer starts at zero, so the
     gates start at act(0): 0.5 each (sigmoid) or 1/3 each (softmax over the 3 branches).
     ``config.force_branch`` ("cmp" | "sel" | "win"), a diagnostic for ablations, zeroes the
-    other two gates. `record_stats` turns on gate and selection statistics.
+    other two gates. `record_stats` turns on gate and selection statistics. `reset_parameters`
+    initialises the layer again as construction did (after `to_empty` on a layer built on the
+    meta device, say): the same weights for the same seed.
     """
     _stats: Optional[LayerStats] = None
 
@@ -82,15 +84,18 @@ class NSAAttention(AttentionProjections):
         super().__init__(config)
         c = config
         self.gate = nn.Sequential(nn.Linear(c.hidden_size, c.hidden_size, bias=c.bias), nn.SiLU(),
-                                  nn.Linear(c.hidden_size, 3 * c.num_heads, bias=c.bias))
-        nn.init.zeros_(self.gate[-1].weight)
-        if c.bias:
-            nn.init.zeros_(self.gate[-1].bias)
+                                  ZeroLinear(c.hidden_size, 3 * c.num_heads, bias=c.bias))
         if c.phi == "mlp":
             self.phi_k = PhiMLP(c.block_len, c.head_dim_qk)
             self.phi_v = PhiMLP(c.block_len, c.head_dim_v)
         else:
             self.phi_k = self.phi_v = reference.compress_mean
+
+    def reset_parameters(self) -> None:
+        """Every submodule's `reset_parameters`, in the order construction initialised them."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
 
     def kv_dtype(self) -> torch.dtype:
         """The dtype k and v leave the projections in, here and now: autocast's dtype while

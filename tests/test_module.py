@@ -122,6 +122,46 @@ def test_phi_mlp_starts_as_mean():
     torch.testing.assert_close(mlp(x), mean(x), atol=1e-6, rtol=1e-5)
 
 
+def _materialised(config: NSAConfig) -> NSAAttention:
+    """A layer built on the meta device, moved to the CPU with to_empty, every parameter NaN."""
+    with torch.device("meta"):
+        m = NSAAttention(config)
+    m.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(float("nan"))
+    return m
+
+
+@pytest.mark.parametrize("phi", ["mean", "mlp"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_meta_init_then_reset_parameters_equals_construction(phi, bias):
+    """Large models are built on the meta device and materialised with to_empty: the layer's
+    reset_parameters gives the weights construction gives for the same seed, and so does the
+    per-module loop of FSDP's meta-device initialisation (each module's own reset_parameters,
+    root first), where an nn.Linear's own reset would have undone the zero-initialised gate and
+    phi layers."""
+    torch.manual_seed(0)
+    built = NSAAttention(cfg(phi=phi, bias=bias)).state_dict()
+    m = _materialised(cfg(phi=phi, bias=bias))
+    torch.manual_seed(0)
+    m.reset_parameters()
+    for name, p in m.state_dict().items():
+        assert torch.equal(p, built[name]), name
+
+    m = _materialised(cfg(phi=phi, bias=bias))
+    torch.manual_seed(0)
+    for module in m.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    zero = list(m.gate[-1].parameters())
+    if phi == "mlp":
+        zero += [m.phi_k.pos_emb, m.phi_v.pos_emb, *m.phi_k.fc2.parameters(),
+                 *m.phi_v.fc2.parameters()]
+    assert all(p.abs().sum() == 0 for p in zero)
+
+
 def test_backward_reaches_every_parameter():
     torch.manual_seed(0)
     m = NSAAttention(cfg(phi="mlp"))
