@@ -4,10 +4,11 @@ forward and backward."""
 import pytest
 import torch
 import torch._dynamo.testing
+from torch._dynamo.utils import counters
 
 import nsa_ops
 from nsa_ops import NSAAttention, NSAConfig
-from helpers import SMALL, cu_seqlens, rel_err
+from helpers import CUDNN_COMPRESSED_T, SMALL, cu_seqlens, rel_err
 
 
 class TinyNSA(torch.nn.Module):
@@ -154,6 +155,41 @@ def test_gpu_varlen_compile_matches_eager_without_sync(dtype, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert counter.frame_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_gpu_layer_compile_modes_match_eager(mode):
+    """The modes users reach for: "reduce-overhead" (CUDA graph trees: a warm-up run, a
+    recording, then replays) and "max-autotune" (the selection lowering's template choices
+    and every matmul benchmarked). An NSAAttention layer in bf16 at the length from which cuDNN
+    serves compressed attention (plans built in the warm-up run, before the recording), three
+    training steps: the output and the gradients of x and of every parameter against eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = NSAConfig(hidden_size=512, num_heads=16, num_kv_heads=2, head_dim_qk=64, head_dim_v=64)
+    layer = NSAAttention(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():  # gates away from their initial 0.5 so that every branch matters
+        layer.gate[-1].weight.normal_(0, 0.02)
+    compiled = torch.compile(layer, mode=mode)
+    params = list(layer.parameters())
+    counters.clear()
+
+    def step(fn, x):
+        out = fn(x)
+        grads = torch.autograd.grad(out.float().square().sum(), [x, *params])
+        return [t.detach().clone() for t in (out, *grads)]  # graph trees reuse their outputs
+
+    for i in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        x = x_for(1, CUDNN_COMPRESSED_T, i, requires_grad=True, device="cuda",
+                  dtype=torch.bfloat16, dim=cfg.hidden_size)
+        got, want = step(compiled, x), step(layer, x)
+        names = ["out", "x"] + [name for name, _ in layer.named_parameters()]
+        for name, a, b in zip(names, got, want):
+            assert rel_err(a, b) < 2e-2, (i, name, rel_err(a, b))
+    if mode == "reduce-overhead":  # Inductor falls back to no graphs where a graph is unsafe
+        assert counters["inductor"]["cudagraph_skips"] == 0
 
 
 def test_inductor_layer_gradients_equal_eager():
