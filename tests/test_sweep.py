@@ -290,8 +290,9 @@ def _block_idx(draw: Draw, data: _Data, q: torch.Tensor, k: torch.Tensor) -> tor
 # --------------------------------------------------------------------------------------------
 
 def _mismatch(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, gpu: bool,
-              grad: bool = False, lse: bool = False) -> Optional[str]:
-    """Why got is not want (float64 reference), or None. -inf must match exactly."""
+              grad: bool = False, lse: bool = False, width: int = 32) -> Optional[str]:
+    """Why got is not want (float64 reference), or None. -inf must match exactly. width: the
+    draw's widest head dim (the rounding of a reference of ~0 grows with it)."""
     if tuple(got.shape) != tuple(want.shape):
         return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     if got.numel() == 0:
@@ -315,8 +316,10 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, gpu: bo
         limit = GPU_REL[dtype] * (2 if grad else 1)
         rel = rel_err(g, w)
         # a reference of ~0 (a dlse=None gradient where every query sees one key: dS = 0)
-        # leaves only rounding, which the elementwise atol bounds
-        if rel <= limit or err.max().item() <= TOL[dtype][0]:
+        # leaves only rounding, which the elementwise atol bounds: dS = P (dP - delta) cancels
+        # two sums over Dv of size ~sqrt(Dv), whose rounding grows as sqrt(Dv) (H200, fp32, Dv
+        # = 256, w = 1: 2.1e-5 - 2.8e-5 for the Triton and the reference routes alike)
+        if rel <= limit or err.max().item() <= TOL[dtype][0] * max(1.0, (width / 32) ** 0.5):
             return None
         return f"relative error {rel:.3e} > {limit:.0e} (max |err| {err.max().item():.3e})"
     atol, rtol = TOL[dtype]
@@ -367,7 +370,8 @@ def _compare_outputs(f: Failures, where: str, outs, want, names, dtype, gpu, con
             f.add(f"{where} {name}", f"dtype {got.dtype}, expected {dtypes[i]}")
         if contiguous and not got.is_contiguous():
             f.add(f"{where} {name}", f"not contiguous (strides {got.stride()})")
-        f.add(f"{where} {name}", _mismatch(got, ref_, dtype, gpu, grad=grad, lse=name == "lse"))
+        f.add(f"{where} {name}", _mismatch(got, ref_, dtype, gpu, grad=grad, lse=name == "lse",
+                                           width=max(f.draw.Dk, f.draw.Dv)))
 
 
 # --------------------------------------------------------------------------------------------
