@@ -3,6 +3,7 @@ equals single-device nsa_attention: outputs and the gradients of q, k, v and the
 over compiled NSAAttention blocks equals the unsharded model, on gloo and on NCCL."""
 import os
 import socket
+from typing import Optional
 
 import pytest
 import torch
@@ -72,13 +73,17 @@ LAYER = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim_qk=8, head_di
 
 
 class Block(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, config: Optional[nsa_ops.NSAConfig] = None):
         super().__init__()
         self.norm = torch.nn.LayerNorm(LAYER["hidden_size"])
-        self.attn = nsa_ops.NSAAttention(nsa_ops.NSAConfig(**LAYER))
+        self.attn = nsa_ops.NSAAttention(config or nsa_ops.NSAConfig(**LAYER))
 
     def forward(self, x):
         return x + self.attn(self.norm(x))
+
+    def reset_parameters(self):
+        self.norm.reset_parameters()
+        self.attn.reset_parameters()
 
 
 def _fsdp2(rank: int, world: int, port: int, backend: str = "gloo") -> None:
@@ -116,6 +121,40 @@ def _fsdp2(rank: int, world: int, port: int, backend: str = "gloo") -> None:
 
 def test_fsdp2_compiled_nsa_blocks_equal_unsharded():
     mp.spawn(_fsdp2, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def _fsdp2_meta(rank: int, world: int, port: int) -> None:
+    """Blocks built on the meta device, sharded, materialised with to_empty and initialised by
+    reset_parameters (torchtitan's way): finite weights, the zero-starting layers at zero, and
+    the sharded model equals an unsharded one given its full weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dev = _join(rank, world, port, "gloo")
+    try:
+        config = nsa_ops.NSAConfig(**dict(LAYER, phi="mlp"))
+        with torch.device("meta"):
+            sharded = torch.nn.Sequential(Block(config), Block(config))
+        mesh = init_device_mesh(dev, (world,))
+        for block in sharded:
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        sharded.to_empty(device=dev)
+        for block in sharded:
+            block.reset_parameters()
+        weights = {name: p.full_tensor() for name, p in sharded.state_dict().items()}
+        assert all(torch.isfinite(p).all() for p in weights.values())
+        zero = [name for name in weights if any(z in name for z in ("gate.2", "fc2", "pos_emb"))]
+        assert zero and all(weights[name].abs().sum() == 0 for name in zero)
+        ref = torch.nn.Sequential(Block(config), Block(config))
+        ref.load_state_dict(weights)
+        x = torch.randn(2, 40, LAYER["hidden_size"], generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(sharded(x), ref(x), atol=0, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_meta_device_init():
+    mp.spawn(_fsdp2_meta, args=(2, _free_port()), nprocs=2, join=True)
 
 
 def _gpu_world() -> int:
