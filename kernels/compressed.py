@@ -100,6 +100,14 @@ def _row_stats(ptr, tok, hq, HQ, valid):
 
 
 @triton.jit
+def _row_lse2(ptr, tok, hq, HQ, valid):
+    """A row's lse (`_row_stats`) in base 2, a row that sees nothing (-inf) at 0: its p is
+    masked, and the exponent stays finite."""
+    lse = _row_stats(ptr, tok, hq, HQ, valid)
+    return tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+
+
+@triton.jit
 def _tile_span(lo, hi, valid, BLOCK: tl.constexpr):
     """Loop bounds over a union of per-row ranges [lo, hi), in steps of BLOCK.
 
@@ -205,9 +213,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, SEQ, POS, CMP_CU,
     hq = kvh * G + head
     q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
     do = _load_rows(DO + b * sdb, tok, hq, sdt, sdh, DV, DV_PAD, valid)
-    lse = _row_stats(LSE + b * T * HQ, tok, hq, HQ, valid)
-    # rows that see nothing have lse = -inf; their p is masked, keep the exponent finite
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+    lse2 = _row_lse2(LSE + b * T * HQ, tok, hq, HQ, valid)
     delta = _row_stats(DELTA + b * T * HQ, tok, hq, HQ, valid)
     lo, hi = _visible_rows(tok, T, NC, SEQ, POS, CMP_CU, L, STRIDE, VARLEN)
     k_ptr = K + b * skb + kvh * skh
@@ -258,8 +264,7 @@ def _dkdv_step(k, v, dk, dv, c, t0, Q, DO, LSE, DELTA, GATE, sqt, sqh, sdt, sdh,
     hq = kvh * G + head
     q = _load_rows(Q, tok, hq, sqt, sqh, DK, DK_PAD, valid)
     do = _load_rows(DO, tok, hq, sdt, sdh, DV, DV_PAD, valid)
-    lse = _row_stats(LSE, tok, hq, HQ, valid)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse) * LOG2E
+    lse2 = _row_lse2(LSE, tok, hq, HQ, valid)
     delta = _row_stats(DELTA, tok, hq, HQ, valid)
     # transposed scores [keys, rows]: dv and dk come out of the dots directly. Unmasked tiles
     # skip the row mask: padded head rows load q = dO = lse = delta = 0 and add exactly nothing.
@@ -623,9 +628,8 @@ def _select_kernel(Q, K, LSE, OUT, SEQ, POS, CMP_CU,
     tok, head, valid = _query_rows(t0, T, G, TOK, G_PAD)
     hq = kvh * G + head
     q = _load_rows(Q + b * sqb, tok, hq, sqt, sqh, DK, DK_PAD, valid)
-    lse = _row_stats(LSE + b * T * HQ, tok, hq, HQ, valid)
     # +inf on padding rows (heads past G, tokens past T): _score_tile gives them p = 0 unmasked
-    lse2 = tl.where(valid, tl.where(lse == float("-inf"), 0.0, lse) * LOG2E, float("inf"))
+    lse2 = tl.where(valid, _row_lse2(LSE + b * T * HQ, tok, hq, HQ, valid), float("inf"))
     k_ptr = K + b * skb + kvh * skh
     t = t0 + tl.arange(0, TOK)
     seq_t, pos = _token_pos(t, T, SEQ, POS, VARLEN)
