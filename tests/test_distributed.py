@@ -86,22 +86,28 @@ class Block(torch.nn.Module):
         self.attn.reset_parameters()
 
 
+def _fully_shard(blocks: torch.nn.Sequential, dev: str, world: int) -> torch.nn.Sequential:
+    """blocks with each block and the whole sharded by fully_shard over the world's ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh(torch.device(dev).type, (world,))
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(blocks, mesh=mesh)
+    return blocks
+
+
 def _fsdp2(rank: int, world: int, port: int, backend: str = "gloo") -> None:
     """Two NSAAttention blocks, each and the whole sharded with fully_shard, compiled: the
     gradients of a data-parallel step equal the unsharded model's on the whole batch."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     dev = _join(rank, world, port, backend)
     try:
-        mesh = init_device_mesh(torch.device(dev).type, (world,))
         models = []
         for _ in range(2):
             torch.manual_seed(0)
             models.append(torch.nn.Sequential(Block(), Block()).to(dev))
         ref, sharded = models
-        for block in sharded:
-            fully_shard(block, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+        _fully_shard(sharded, dev, world)
         x = torch.randn(2 * world, 40, LAYER["hidden_size"],
                         generator=torch.Generator().manual_seed(1)).to(dev)
         mine = x[2 * rank:2 * rank + 2]
@@ -127,17 +133,12 @@ def _fsdp2_meta(rank: int, world: int, port: int) -> None:
     """Blocks built on the meta device, sharded, materialised with to_empty and initialised by
     reset_parameters (torchtitan's way): finite weights, the zero-starting layers at zero, and
     the sharded model equals an unsharded one given its full weights."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     dev = _join(rank, world, port, "gloo")
     try:
         config = nsa_ops.NSAConfig(**dict(LAYER, phi="mlp"))
         with torch.device("meta"):
-            sharded = torch.nn.Sequential(Block(config), Block(config))
-        mesh = init_device_mesh(dev, (world,))
-        for block in sharded:
-            fully_shard(block, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+            blocks = torch.nn.Sequential(Block(config), Block(config))
+        sharded = _fully_shard(blocks, dev, world)
         sharded.to_empty(device=dev)
         for block in sharded:
             block.reset_parameters()
